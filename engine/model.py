@@ -1,0 +1,285 @@
+"""A small Llama-style byte-level decoder with a batched, preallocated KV cache.
+
+Vocabulary: the 256 byte values, then BOS (256) and EOS (257). No tokenizer, so corpora from any machine work.
+
+Architecture: pre-norm RMSNorm, rotary position embeddings, SwiGLU feed-forward, causal attention through
+``torch.nn.functional.scaled_dot_product_attention``. The same module serves training (full sequences, no cache)
+and decoding (several new tokens per row appended to a per-row cache in one forward).
+
+The cache layout is ``[B, H, L, D]`` per layer, preallocated; each row has its own length. Appending writes at
+``lengths[b] + t``; rolling back is resetting ``lengths[b]`` (no copies, stale entries are masked out and
+overwritten later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BYTE_VOCAB = 256
+BOS_ID = 256  # start of every document and every prompt
+EOS_ID = 257  # end of a document; decoding a row stops when it is emitted
+VOCAB_SIZE = 258
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of one decoder. Presets live in ``MODEL_PRESETS``."""
+
+    n_layers: int  # depth; at batch 1 on any device per-forward cost grows with depth, not width
+    d_model: int  # residual width
+    n_heads: int  # attention heads; d_model must divide evenly
+    ffn_hidden: int  # SwiGLU hidden width (about 8/3 d_model in Llama)
+    max_seq_len: int = 2048  # rotary table length and the largest cache a request may use
+    rope_theta: float = 10000.0  # rotary base, as in Llama
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    vocab_size: int = VOCAB_SIZE  # bytes + BOS + EOS
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "ffn_hidden", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("head dimension must be even for rotary embeddings")
+        if self.vocab_size != VOCAB_SIZE:
+            raise ValueError(f"the byte vocabulary has {VOCAB_SIZE} entries, got vocab_size={self.vocab_size}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, int | float]:
+        return asdict(self)
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # Deep and narrow: enough depth that one forward costs clearly more than the draft's, small enough to see
+    # tens of millions of bytes in an hour on two CPU cores.
+    "target": ModelConfig(n_layers=6, d_model=192, n_heads=3, ffn_hidden=512),
+    # One wide-enough layer: a forward costs a small fraction of the target's, distilled to agree with it.
+    "draft": ModelConfig(n_layers=1, d_model=160, n_heads=2, ffn_hidden=448),
+    # Tiny shapes for unit tests (random weights are fine for exactness tests).
+    "tiny": ModelConfig(n_layers=2, d_model=32, n_heads=2, ffn_hidden=64, max_seq_len=512),
+}
+
+
+class KVCache:
+    """Preallocated per-layer key/value cache for a batch of rows with independent lengths.
+
+    Attributes:
+        k, v: lists of ``[B, H, L, D]`` tensors, one per layer.
+        lengths: ``[B]`` int64 on the CPU — the number of valid positions of each row. Kept on the host so that
+            slicing and capacity checks never synchronise with the device.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        n_heads: int,
+        capacity: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        shape = (batch_size, n_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        self.capacity = capacity
+        self.batch_size = batch_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def reset_row(self, row: int) -> None:
+        self.lengths[row] = 0
+
+    def rollback(self, row: int, length: int) -> None:
+        """Truncate a row to ``length`` positions (stale entries are masked and later overwritten)."""
+        if not 0 <= length <= int(self.lengths[row]):
+            raise ValueError(f"cannot roll row {row} back to {length}; it holds {int(self.lengths[row])}")
+        self.lengths[row] = length
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_table(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine and sine tables for rotary embeddings.
+
+    Returns:
+        cos, sin: ``[max_len, head_dim // 2]`` float32.
+    """
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ang = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of the head dimension.
+
+    Args:
+        x: ``[B, H, T, D]``.
+        cos, sin: ``[B, 1, T, D/2]`` gathered at each token's absolute position.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.head_dim
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.wqkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.w13 = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)  # gate and up fused: one matmul
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache_kv: tuple[torch.Tensor, torch.Tensor] | None,
+        write_index: tuple[torch.Tensor, torch.Tensor] | None,
+        attend_len: int,
+        full_batch: bool = True,
+    ) -> torch.Tensor:
+        # x: [B, T, C]
+        b, t, c = x.shape
+        qkv = self.wqkv(self.attn_norm(x)).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = apply_rope(qkv[0], cos, sin), apply_rope(qkv[1], cos, sin), qkv[2]  # [B, H, T, D]
+        if cache_kv is not None and write_index is not None:
+            ck, cv = cache_kv
+            rows, pos = write_index  # rows: [B, 1], pos: [B, T]
+            ck[rows, :, pos] = k.transpose(1, 2)  # advanced indexing puts the indexed dims first: [B, T, H, D]
+            cv[rows, :, pos] = v.transpose(1, 2)
+            if full_batch:
+                k, v = ck[:, :, :attend_len], cv[:, :, :attend_len]
+            else:  # a subset of rows (prefill of newly admitted requests): gather only the used prefix
+                k, v = ck[rows[:, 0], :, :attend_len], cv[rows[:, 0], :, :attend_len]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(b, t, c))
+        gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    """Byte-level Llama-style decoder."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        if capacity > self.cfg.max_seq_len:
+            raise ValueError(f"cache capacity {capacity} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
+        p = next(self.parameters())
+        return KVCache(
+            self.cfg.n_layers, batch_size, self.cfg.n_heads, capacity, self.cfg.head_dim, p.device, p.dtype
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Training forward over whole sequences (no cache).
+
+        Args:
+            tokens: ``[B, T]`` int64.
+        Returns:
+            logits: ``[B, T, V]``.
+        """
+        t = tokens.shape[1]
+        cos = self.rope_cos[:t].to(self.embed.weight.dtype)[None, None]
+        sin = self.rope_sin[:t].to(self.embed.weight.dtype)[None, None]
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, None, None, None, t)
+        return self.head(self.norm(x))
+
+    def forward_cached(
+        self, tokens: torch.Tensor, cache: KVCache, rows: torch.Tensor | None = None, advance: bool = True
+    ) -> torch.Tensor:
+        """Append ``T`` tokens per row to the cache and return their logits.
+
+        All rows in ``rows`` append the same number of tokens ``T`` (callers pad shorter rows and roll them back
+        afterwards). Positions are each row's own ``cache.lengths``.
+
+        Args:
+            tokens: ``[R, T]`` int64 on the model's device.
+            cache: the model's cache; ``rows`` index into its batch dimension.
+            rows: ``[R]`` int64 CPU row indices, or None for all rows.
+            advance: add ``T`` to each row's length afterwards.
+        Returns:
+            logits: ``[R, T, V]`` float32.
+        """
+        dev = tokens.device
+        if rows is None:
+            rows = torch.arange(cache.batch_size)
+        r, t = tokens.shape
+        starts = cache.lengths[rows]  # [R] CPU
+        end = int(starts.max()) + t
+        if end > cache.capacity:
+            raise CacheCapacityError(
+                f"a row would reach {end} positions but the cache holds {cache.capacity}; "
+                "raise the engine's max_context or shorten the request"
+            )
+        pos_cpu = starts[:, None] + torch.arange(t)[None, :]  # [R, T]
+        pos = pos_cpu.to(dev, non_blocking=True)
+        dtype = self.embed.weight.dtype
+        cos = self.rope_cos[pos].to(dtype)[:, None]  # [R, 1, T, D/2]
+        sin = self.rope_sin[pos].to(dtype)[:, None]
+        # Key j is visible to query i of row r iff j <= pos[r, i]; covers both the cache prefix and causality.
+        key_pos = torch.arange(end, device=dev)
+        mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [R, 1, T, end]
+        full = r == cache.batch_size and bool((rows == torch.arange(r)).all())
+        x = self.embed(tokens)
+        row_idx = rows.to(dev)[:, None]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, (cache.k[i], cache.v[i]), (row_idx, pos), end, full)
+        if advance:
+            cache.lengths[rows] = starts + t
+        return self.head(self.norm(x)).float()
+
+
+class CacheCapacityError(ValueError):
+    """A request would grow past the preallocated cache."""

@@ -1,0 +1,1 @@
+"""Alembic environment for the spectune store."""

@@ -1,0 +1,489 @@
+"""The shared vocabulary of spectune: what the engine observes, what travels, and the policy table.
+
+Imports nothing heavy (no torch, no Redis, no SQL): the engine, the sidecar, the store and the policies all read
+these definitions, and the sidecar must run on a machine without torch.
+
+Conventions (defined here, once):
+
+- A **round** is one draft-then-verify step over the engine's current batch; a **row** is one sequence in it.
+- ``k`` is a row's draft length in a round; ``k == 0`` means speculation is off for that row (plain decoding).
+- ``accepted`` is the number of the row's draft tokens the target kept, ``0 <= accepted <= k``.
+- ``emitted = accepted + 1``: the accepted drafts plus the bonus (all accepted) or correction (first rejection)
+  token. **Acceptance length is ``emitted``** — it counts the bonus token, as vLLM's
+  ``vllm:spec_decode_num_accepted_tokens`` / mean acceptance length do. A finished row may emit fewer (EOS or
+  max tokens reached mid-draft); ``emitted`` is then what was actually kept.
+- ``tokens_verified`` of a round is the number of positions the target scored: ``batch_size * (max_k + 1)``.
+- Acceptance is a property of a **row**, keyed by (versions, request type, context bucket, k); cost is a
+  property of a **round**, keyed by (versions, batch-size bucket, context bucket, largest k). They are learned
+  separately.
+- **goodput** = emitted tokens per second of wall time, for the whole batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1  # bump when a travelling record changes shape; receivers reject unknown versions
+MAX_DRAFT_LEN = 16  # verify cost grows with k + 1; no useful policy drafts further on any engine we know
+MAX_ENCODED_BYTES = 1 << 20  # size cap of one encoded window batch; larger payloads are rejected unread
+MAX_NAME_LEN = 64  # request types, version ids and engine ids are short labels
+REQUEST_TYPES = ("code", "prose", "structured")  # the reference workloads; others are allowed on the wire
+DEFAULT_BATCH_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two, as engines size CUDA graphs
+DEFAULT_CONTEXT_EDGES = (512, 2048, 8192)  # <=512, <=2k, <=8k, >8k
+
+
+class RecordError(ValueError):
+    """A record failed validation. ``reason`` is a short, countable label (e.g. ``accepted_gt_drafted``)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+# --------------------------------------------------------------------------------------------------- buckets
+@dataclass(frozen=True)
+class BucketConfig:
+    """Bucket edges. Configuration, not code: engines and the sidecar must agree on them."""
+
+    batch_edges: tuple[int, ...] = DEFAULT_BATCH_EDGES  # upper edges; larger batches fall in the last bucket
+    context_edges: tuple[int, ...] = DEFAULT_CONTEXT_EDGES  # upper edges in tokens; beyond is one more bucket
+
+    def __post_init__(self) -> None:
+        for name in ("batch_edges", "context_edges"):
+            edges = getattr(self, name)
+            if not edges or any(e <= 0 for e in edges) or list(edges) != sorted(set(edges)):
+                raise ValueError(f"BucketConfig.{name} must be strictly increasing positive ints, got {edges}")
+
+    def batch_bucket(self, batch_size: int) -> int:
+        """The smallest edge >= batch_size (the last edge for anything larger)."""
+        for e in self.batch_edges:
+            if batch_size <= e:
+                return e
+        return self.batch_edges[-1]
+
+    def context_bucket(self, context_len: int) -> str:
+        """``"<=512"``, ``"<=2048"``, ... or ``">8192"``."""
+        for e in self.context_edges:
+            if context_len <= e:
+                return f"<={e}"
+        return f">{self.context_edges[-1]}"
+
+    def context_labels(self) -> list[str]:
+        return [f"<={e}" for e in self.context_edges] + [f">{self.context_edges[-1]}"]
+
+
+DEFAULT_BUCKETS = BucketConfig()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """What a decision is made for: (versions, request type, batch-size bucket, context bucket)."""
+
+    target_version: str
+    draft_version: str
+    request_type: str
+    batch_bucket: int
+    context_bucket: str
+
+    def key(self) -> str:
+        return "|".join(
+            (self.target_version, self.draft_version, self.request_type, str(self.batch_bucket), self.context_bucket)
+        )
+
+    @classmethod
+    def from_key(cls, key: str) -> Bucket:
+        parts = key.split("|")
+        if len(parts) != 5:
+            raise RecordError("bad_bucket_key", f"{key!r} must have 5 '|'-separated parts")
+        try:
+            bb = int(parts[3])
+        except ValueError as e:
+            raise RecordError("bad_bucket_key", f"batch bucket {parts[3]!r} is not an int") from e
+        return cls(parts[0], parts[1], parts[2], bb, parts[4])
+
+
+# ------------------------------------------------------------------------------------------ engine records
+@dataclass(frozen=True)
+class RowRecord:
+    """One row in one round: a unit of acceptance."""
+
+    request_type: str
+    context_len: int  # tokens in the row's context before this round (prompt + generated so far)
+    k: int  # draft length used for this row this round (0 = off)
+    accepted: int  # drafts kept, 0..k
+    emitted: int  # tokens appended this round (accepted + 1, fewer only when the row finished mid-round)
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One round of the engine: a unit of cost, with its rows. Returned by the engine, never logged by it."""
+
+    round_index: int
+    batch_size: int
+    max_k: int  # largest k in the batch: the draft runs this many steps, verify scores max_k + 1 positions
+    tokens_verified: int  # batch_size * (max_k + 1)
+    draft_s: float  # seconds drafting (device time on CUDA, perf_counter on CPU)
+    verify_s: float  # seconds in the target's verify forward and the acceptance rule
+    other_s: float  # everything else in the round (admission, prefill, bookkeeping)
+    target_version: str
+    draft_version: str
+    rows: tuple[RowRecord, ...]
+    timestamp: float = 0.0  # wall-clock seconds (time.time()) at the end of the round
+
+    @property
+    def wall_s(self) -> float:
+        return self.draft_s + self.verify_s + self.other_s
+
+    @property
+    def emitted(self) -> int:
+        return sum(r.emitted for r in self.rows)
+
+    @property
+    def max_context(self) -> int:
+        return max((r.context_len for r in self.rows), default=0)
+
+
+# --------------------------------------------------------------------------------------- travelling windows
+@dataclass(frozen=True)
+class Stat:
+    """count / sum / sum of squares / max of a non-negative quantity (mergeable)."""
+
+    count: int = 0
+    total: float = 0.0
+    sumsq: float = 0.0
+    max: float = 0.0
+
+    def add(self, x: float) -> Stat:
+        return Stat(self.count + 1, self.total + x, self.sumsq + x * x, max(self.max, x))
+
+    def merge(self, o: Stat) -> Stat:
+        return Stat(self.count + o.count, self.total + o.total, self.sumsq + o.sumsq, max(self.max, o.max))
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
+@dataclass(frozen=True)
+class AcceptanceWindow:
+    """Acceptance aggregated over a window for one (versions, request type, context bucket, k).
+
+    ``hist[i]`` counts rows that accepted exactly ``i`` drafts (``len(hist) == k + 1``), so the per-position
+    acceptance curve P(accepted >= i | k) can be derived. ``emitted`` counts the bonus token (see module doc).
+    """
+
+    target_version: str
+    draft_version: str
+    request_type: str
+    context_bucket: str
+    k: int
+    rows: int
+    drafted: int  # rows * k
+    accepted: int
+    emitted: int
+    hist: tuple[int, ...]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.emitted / self.rows if self.rows else 0.0
+
+    def acceptance_curve(self) -> list[float]:
+        """P(accepted >= i | k) for i = 1..k."""
+        if not self.rows:
+            return [0.0] * self.k
+        tail, out = 0, []
+        for i in range(self.k, 0, -1):
+            tail += self.hist[i]
+            out.append(tail / self.rows)
+        return out[::-1]
+
+
+@dataclass(frozen=True)
+class CostWindow:
+    """Cost aggregated over a window for one (versions, batch-size bucket, context bucket, largest k)."""
+
+    target_version: str
+    draft_version: str
+    batch_bucket: int
+    context_bucket: str
+    max_k: int
+    rounds: int
+    tokens_verified: int
+    emitted: int  # tokens emitted by these rounds (goodput numerator)
+    batch_rows: int  # sum of batch sizes over the rounds (mean batch size = batch_rows / rounds)
+    draft_s: Stat
+    verify_s: Stat
+    other_s: Stat
+    latency_p50: float  # per-token latency (round wall seconds / tokens a row emitted), percentiles in window
+    latency_p95: float
+    latency_p99: float
+
+
+@dataclass(frozen=True)
+class WindowBatch:
+    """What travels: every aggregate one engine produced in one window, with its ordering key.
+
+    ``(engine_id, seq)`` is unique; stores use it to ingest a redelivered batch once.
+    """
+
+    engine_id: str
+    seq: int
+    window_start: float
+    window_end: float
+    acceptance: tuple[AcceptanceWindow, ...] = ()
+    cost: tuple[CostWindow, ...] = ()
+    sampled_rounds: tuple[RoundRecord, ...] = ()  # optional raw rounds for offline replay
+    dropped_before: int = 0  # windows the emitter had to drop before this one (reported, never silent)
+    schema_version: int = SCHEMA_VERSION
+
+
+# ------------------------------------------------------------------------------------------ validation
+def _req(cond: bool, reason: str, detail: str) -> None:
+    if not cond:
+        raise RecordError(reason, detail)
+
+
+def _name(v: Any, what: str) -> str:
+    _req(isinstance(v, str), "bad_type", f"{what} must be a string, got {type(v).__name__}")
+    _req(0 < len(v) <= MAX_NAME_LEN, "bad_name", f"{what} must be 1..{MAX_NAME_LEN} chars")
+    _req("|" not in v, "bad_name", f"{what} must not contain '|'")
+    return str(v)
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
+    _req(isinstance(v, int) and not isinstance(v, bool), "bad_type", f"{what} must be an int")
+    _req(v >= lo and (hi is None or v <= hi), "out_of_range", f"{what}={v} outside [{lo}, {hi}]")
+    return int(v)
+
+
+def _time(v: Any, what: str) -> float:
+    _req(isinstance(v, int | float) and not isinstance(v, bool), "bad_type", f"{what} must be a number")
+    _req(math.isfinite(v), "non_finite", f"{what} is not finite")
+    _req(v >= 0, "negative_time", f"{what}={v} is negative")
+    return float(v)
+
+
+def _stat(d: Any, what: str) -> Stat:
+    _req(isinstance(d, dict), "bad_type", f"{what} must be an object")
+    st = Stat(
+        count=_int(d.get("count"), f"{what}.count"),
+        total=_time(d.get("total"), f"{what}.total"),
+        sumsq=_time(d.get("sumsq"), f"{what}.sumsq"),
+        max=_time(d.get("max"), f"{what}.max"),
+    )
+    return st
+
+
+def acceptance_from_dict(d: Any) -> AcceptanceWindow:
+    _req(isinstance(d, dict), "bad_type", "acceptance entry must be an object")
+    k = _int(d.get("k"), "k", 0, MAX_DRAFT_LEN)
+    rows = _int(d.get("rows"), "rows")
+    drafted = _int(d.get("drafted"), "drafted")
+    accepted = _int(d.get("accepted"), "accepted")
+    emitted = _int(d.get("emitted"), "emitted")
+    hist_raw = d.get("hist")
+    _req(isinstance(hist_raw, list | tuple), "bad_type", "hist must be a list")
+    hist = tuple(_int(h, "hist[i]") for h in hist_raw)
+    _req(len(hist) == k + 1, "bad_hist", f"hist has {len(hist)} bins, expected k + 1 = {k + 1}")
+    _req(drafted == rows * k, "bad_drafted", f"drafted={drafted} != rows * k = {rows * k}")
+    _req(accepted <= drafted, "accepted_gt_drafted", f"accepted={accepted} > drafted={drafted}")
+    _req(sum(hist) == rows, "bad_hist", f"hist sums to {sum(hist)}, expected rows={rows}")
+    _req(sum(i * h for i, h in enumerate(hist)) == accepted, "bad_hist", "hist does not add up to accepted")
+    _req(emitted <= accepted + rows, "emitted_gt_possible", f"emitted={emitted} > accepted + rows")
+    return AcceptanceWindow(
+        target_version=_name(d.get("target_version"), "target_version"),
+        draft_version=_name(d.get("draft_version"), "draft_version"),
+        request_type=_name(d.get("request_type"), "request_type"),
+        context_bucket=_name(d.get("context_bucket"), "context_bucket"),
+        k=k, rows=rows, drafted=drafted, accepted=accepted, emitted=emitted, hist=hist,
+    )
+
+
+def cost_from_dict(d: Any) -> CostWindow:
+    _req(isinstance(d, dict), "bad_type", "cost entry must be an object")
+    max_k = _int(d.get("max_k"), "max_k", 0, MAX_DRAFT_LEN)
+    rounds = _int(d.get("rounds"), "rounds", 1)
+    tv = _int(d.get("tokens_verified"), "tokens_verified")
+    batch_rows = _int(d.get("batch_rows"), "batch_rows", rounds)
+    _req(tv == batch_rows * (max_k + 1), "bad_tokens_verified", "tokens_verified != batch_rows * (max_k + 1)")
+    return CostWindow(
+        target_version=_name(d.get("target_version"), "target_version"),
+        draft_version=_name(d.get("draft_version"), "draft_version"),
+        batch_bucket=_int(d.get("batch_bucket"), "batch_bucket", 1),
+        context_bucket=_name(d.get("context_bucket"), "context_bucket"),
+        max_k=max_k, rounds=rounds, tokens_verified=tv,
+        emitted=_int(d.get("emitted"), "emitted"),
+        batch_rows=batch_rows,
+        draft_s=_stat(d.get("draft_s"), "draft_s"),
+        verify_s=_stat(d.get("verify_s"), "verify_s"),
+        other_s=_stat(d.get("other_s"), "other_s"),
+        latency_p50=_time(d.get("latency_p50"), "latency_p50"),
+        latency_p95=_time(d.get("latency_p95"), "latency_p95"),
+        latency_p99=_time(d.get("latency_p99"), "latency_p99"),
+    )
+
+
+def round_from_dict(d: Any) -> RoundRecord:
+    _req(isinstance(d, dict), "bad_type", "round must be an object")
+    rows_raw = d.get("rows")
+    _req(isinstance(rows_raw, list | tuple), "bad_type", "rows must be a list")
+    max_k = _int(d.get("max_k"), "max_k", 0, MAX_DRAFT_LEN)
+    rows = []
+    for r in rows_raw:
+        _req(isinstance(r, dict), "bad_type", "row must be an object")
+        k = _int(r.get("k"), "row.k", 0, max_k)
+        acc = _int(r.get("accepted"), "row.accepted", 0)
+        _req(acc <= k, "accepted_gt_drafted", f"row accepted={acc} > k={k}")
+        rows.append(RowRecord(
+            request_type=_name(r.get("request_type"), "request_type"),
+            context_len=_int(r.get("context_len"), "context_len"),
+            k=k, accepted=acc, emitted=_int(r.get("emitted"), "emitted", 0, acc + 1),
+        ))
+    return RoundRecord(
+        round_index=_int(d.get("round_index"), "round_index"),
+        batch_size=_int(d.get("batch_size"), "batch_size", 1),
+        max_k=max_k,
+        tokens_verified=_int(d.get("tokens_verified"), "tokens_verified"),
+        draft_s=_time(d.get("draft_s"), "draft_s"),
+        verify_s=_time(d.get("verify_s"), "verify_s"),
+        other_s=_time(d.get("other_s"), "other_s"),
+        target_version=_name(d.get("target_version"), "target_version"),
+        draft_version=_name(d.get("draft_version"), "draft_version"),
+        rows=tuple(rows),
+        timestamp=_time(d.get("timestamp", 0.0), "timestamp"),
+    )
+
+
+def window_batch_to_dict(b: WindowBatch) -> dict[str, Any]:
+    return asdict(b)
+
+
+def window_batch_from_dict(d: Any) -> WindowBatch:
+    """Validate a decoded window batch. Raises :class:`RecordError` with a countable ``reason``."""
+    _req(isinstance(d, dict), "bad_type", "window batch must be an object")
+    sv = d.get("schema_version")
+    _req(sv == SCHEMA_VERSION, "unknown_schema_version", f"schema_version={sv!r}, this build reads {SCHEMA_VERSION}")
+    acc = d.get("acceptance", [])
+    cost = d.get("cost", [])
+    sampled = d.get("sampled_rounds", [])
+    for v, what in ((acc, "acceptance"), (cost, "cost"), (sampled, "sampled_rounds")):
+        _req(isinstance(v, list | tuple), "bad_type", f"{what} must be a list")
+    start = _time(d.get("window_start"), "window_start")
+    end = _time(d.get("window_end"), "window_end")
+    _req(end >= start, "bad_window", "window_end < window_start")
+    return WindowBatch(
+        engine_id=_name(d.get("engine_id"), "engine_id"),
+        seq=_int(d.get("seq"), "seq"),
+        window_start=start,
+        window_end=end,
+        acceptance=tuple(acceptance_from_dict(a) for a in acc),
+        cost=tuple(cost_from_dict(c) for c in cost),
+        sampled_rounds=tuple(round_from_dict(r) for r in sampled),
+        dropped_before=_int(d.get("dropped_before", 0), "dropped_before"),
+        schema_version=SCHEMA_VERSION,
+    )
+
+
+def encode_window_batch(b: WindowBatch) -> bytes:
+    """JSON bytes (never pickle). msgpack is offered by the transport layer with the same dict shape."""
+    data = json.dumps(window_batch_to_dict(b), separators=(",", ":"), allow_nan=False).encode()
+    if len(data) > MAX_ENCODED_BYTES:
+        raise RecordError("too_large", f"{len(data)} bytes > cap {MAX_ENCODED_BYTES}")
+    return data
+
+
+def decode_window_batch(data: bytes) -> WindowBatch:
+    """Decode and validate. Any byte string either yields a valid batch or raises :class:`RecordError`."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise RecordError("bad_type", f"payload must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_ENCODED_BYTES:
+        raise RecordError("too_large", f"{len(data)} bytes > cap {MAX_ENCODED_BYTES}")
+    try:
+        obj = json.loads(bytes(data), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise RecordError("undecodable", f"not JSON: {e}") from e
+    return window_batch_from_dict(obj)
+
+
+def _reject_constant(name: str) -> Any:
+    raise RecordError("non_finite", f"{name} is not allowed")
+
+
+# ------------------------------------------------------------------------------------------ policy table
+POLICY_SCHEMA_VERSION = 1
+WILDCARD = "*"
+
+
+@dataclass(frozen=True)
+class PolicyTable:
+    """A versioned, JSON-safe mapping from bucket key to k, with a default for unknown buckets.
+
+    Keys are :meth:`Bucket.key` strings; any of the five parts may be ``"*"``. Lookup tries the exact bucket,
+    then progressively broader keys (see :func:`fallback_keys`), then ``default_k``. A batch-size-only
+    projection (vLLM ``num_speculative_tokens_per_batch_size``) is a table whose keys are all ``*`` except the
+    batch bucket.
+    """
+
+    version: int
+    default_k: int
+    k_max: int = MAX_DRAFT_LEN
+    entries: dict[str, int] = field(default_factory=dict)
+    created_at: float = 0.0
+    reason: str = ""  # why this version exists (what changed), for operators
+    schema_version: int = POLICY_SCHEMA_VERSION
+
+    def lookup(self, bucket: Bucket) -> int:
+        for key in fallback_keys(bucket):
+            k = self.entries.get(key)
+            if k is not None:
+                return k
+        return self.default_k
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+def fallback_keys(b: Bucket) -> list[str]:
+    """Exact key first, then broader: any context, any request type, any batch size, any versions."""
+    w = WILDCARD
+    t, d, r, bb, c = b.target_version, b.draft_version, b.request_type, str(b.batch_bucket), b.context_bucket
+    return [
+        "|".join(p)
+        for p in (
+            (t, d, r, bb, c), (t, d, r, bb, w), (t, d, w, bb, c), (t, d, w, bb, w),
+            (t, d, r, w, w), (t, d, w, w, w), (w, w, r, bb, c), (w, w, w, bb, w), (w, w, w, w, w),
+        )
+    ]
+
+
+def policy_table_from_json(text: str | bytes) -> PolicyTable:
+    """Parse and validate a policy table. Raises :class:`RecordError` with a countable ``reason``."""
+    try:
+        d = json.loads(text, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise RecordError("undecodable", f"policy table is not JSON: {e}") from e
+    _req(isinstance(d, dict), "bad_type", "policy table must be an object")
+    _req(d.get("schema_version") == POLICY_SCHEMA_VERSION, "unknown_schema_version",
+         f"policy schema_version={d.get('schema_version')!r}, expected {POLICY_SCHEMA_VERSION}")
+    k_max = _int(d.get("k_max"), "k_max", 0, MAX_DRAFT_LEN)
+    entries_raw = d.get("entries")
+    _req(isinstance(entries_raw, dict), "bad_type", "entries must be an object")
+    entries = {}
+    for key, k in entries_raw.items():
+        Bucket.from_key(key) if WILDCARD not in key.split("|")[3] else None
+        _req(len(key.split("|")) == 5, "bad_bucket_key", f"{key!r} must have 5 parts")
+        entries[key] = _int(k, f"entries[{key!r}]", 0, k_max)
+    reason = d.get("reason", "")
+    _req(isinstance(reason, str), "bad_type", "reason must be a string")
+    return PolicyTable(
+        version=_int(d.get("version"), "version"),
+        default_k=_int(d.get("default_k"), "default_k", 0, k_max),
+        k_max=k_max,
+        entries=entries,
+        created_at=_time(d.get("created_at", 0.0), "created_at"),
+        reason=reason[:500],
+    )
