@@ -1,0 +1,214 @@
+"""Pure aggregation of engine round records into the window aggregates that travel.
+
+Acceptance is a property of a **row**, keyed by (target version, draft version, request type, context bucket, k);
+rows with ``k == 0`` (speculation off) are counted too, with a one-bin histogram, so the cost of plain decoding
+is known beside the cost of speculating. Cost is a property of a **round**, keyed by (versions, batch-size bucket,
+context bucket of the round's longest context, largest k).
+
+Per-token latency: a row that emitted ``e`` tokens in a round of ``wall_s`` seconds waited ``wall_s / e`` seconds
+per token; the window's p50 / p95 / p99 are taken over all rows of the key's rounds (rows that emitted nothing
+have no per-token latency and are skipped).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from telemetry.records import (
+    DEFAULT_BUCKETS,
+    MAX_DRAFT_LEN,
+    MAX_NAME_LEN,
+    AcceptanceWindow,
+    BucketConfig,
+    CostWindow,
+    RecordError,
+    RoundRecord,
+    Stat,
+)
+
+LATENCY_PERCENTILES = (50.0, 95.0, 99.0)  # what operators read off latency dashboards
+
+AcceptanceKey = tuple[str, str, str, str, int]  # target, draft, request type, context bucket, k
+CostKey = tuple[str, str, int, str, int]  # target, draft, batch bucket, context bucket, max k
+
+
+@dataclass
+class _AcceptanceAcc:
+    k: int
+    rows: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    hist: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.hist = [0] * (self.k + 1)
+
+
+@dataclass
+class _CostAcc:
+    rounds: int = 0
+    batch_rows: int = 0
+    emitted: int = 0
+    draft: list[float] = field(default_factory=list)
+    verify: list[float] = field(default_factory=list)
+    other: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """The result of aggregating one window's rounds.
+
+    Attributes:
+        acceptance: one :class:`AcceptanceWindow` per acceptance key, sorted by key.
+        cost: one :class:`CostWindow` per cost key, sorted by key.
+        rounds: rounds that went into the aggregates.
+        rejected: rounds left out because they failed validation, counted by reason.
+    """
+
+    acceptance: tuple[AcceptanceWindow, ...]
+    cost: tuple[CostWindow, ...]
+    rounds: int
+    rejected: dict[str, int]
+
+
+def check_round(r: RoundRecord, _known_names: set[str] | None = None) -> None:
+    """Cheap structural validation of a round the engine handed over (same rules as the wire validator).
+
+    Args:
+        r: the round.
+        _known_names: names already checked (a cache owned by the caller; versions and request types repeat).
+
+    Raises:
+        RecordError: with a countable ``reason``.
+    """
+    known = _known_names if _known_names is not None else set()
+    for name in (r.target_version, r.draft_version):
+        _check_name(name, known)
+    if not 0 <= r.max_k <= MAX_DRAFT_LEN:
+        raise RecordError("out_of_range", f"max_k={r.max_k} outside [0, {MAX_DRAFT_LEN}]")
+    if r.batch_size < 1 or r.round_index < 0:
+        raise RecordError("out_of_range", f"batch_size={r.batch_size}, round_index={r.round_index}")
+    for t in (r.draft_s, r.verify_s, r.other_s):
+        if not math.isfinite(t):
+            raise RecordError("non_finite", "a round time is not finite")
+        if t < 0:
+            raise RecordError("negative_time", f"a round time is negative ({t})")
+    for row in r.rows:
+        _check_name(row.request_type, known)
+        if not 0 <= row.k <= r.max_k:
+            raise RecordError("out_of_range", f"row k={row.k} outside [0, max_k={r.max_k}]")
+        if not 0 <= row.accepted <= row.k:
+            raise RecordError("accepted_gt_drafted", f"row accepted={row.accepted} with k={row.k}")
+        if not 0 <= row.emitted <= row.accepted + 1:
+            raise RecordError("out_of_range", f"row emitted={row.emitted} with accepted={row.accepted}")
+        if row.context_len < 0:
+            raise RecordError("out_of_range", f"row context_len={row.context_len}")
+
+
+def _check_name(name: object, known: set[str]) -> None:
+    if name in known:
+        return
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN or "|" in name:
+        raise RecordError("bad_name", f"{name!r} is not a 1..{MAX_NAME_LEN} char label without '|'")
+    known.add(name)
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float] = LATENCY_PERCENTILES) -> list[float]:
+    """Linear-interpolated percentiles (numpy's default); zeros for an empty sample."""
+    if not values:
+        return [0.0] * len(qs)
+    return [float(x) for x in np.percentile(np.asarray(values, dtype=np.float64), qs)]
+
+
+def _stat(xs: list[float]) -> Stat:
+    return Stat(count=len(xs), total=math.fsum(xs), sumsq=math.fsum(x * x for x in xs), max=max(xs, default=0.0))
+
+
+def aggregate(rounds: Iterable[RoundRecord], buckets: BucketConfig = DEFAULT_BUCKETS) -> Aggregate:
+    """Aggregate a window's rounds into acceptance and cost windows.
+
+    Args:
+        rounds: the rounds of one window (any order).
+        buckets: bucket edges; the engine and the sidecar must agree on them.
+
+    Returns:
+        The :class:`Aggregate`; invalid rounds are left out and counted in ``rejected``.
+    """
+    acc: dict[AcceptanceKey, _AcceptanceAcc] = {}
+    cost: dict[CostKey, _CostAcc] = {}
+    rejected: dict[str, int] = {}
+    known: set[str] = set()
+    ctx_cache: dict[int, str] = {}
+    n = 0
+    for r in rounds:
+        try:
+            check_round(r, known)
+        except RecordError as e:
+            rejected[e.reason] = rejected.get(e.reason, 0) + 1
+            continue
+        n += 1
+        tv, dv = r.target_version, r.draft_version
+        max_ctx = 0
+        emitted = 0
+        wall = r.draft_s + r.verify_s + r.other_s
+        lat: list[float] = []
+        for row in r.rows:
+            cb = ctx_cache.get(row.context_len)
+            if cb is None:
+                cb = ctx_cache[row.context_len] = buckets.context_bucket(row.context_len)
+            key = (tv, dv, row.request_type, cb, row.k)
+            a = acc.get(key)
+            if a is None:
+                a = acc[key] = _AcceptanceAcc(row.k)
+            a.rows += 1
+            a.accepted += row.accepted
+            a.emitted += row.emitted
+            a.hist[row.accepted] += 1
+            emitted += row.emitted
+            max_ctx = max(max_ctx, row.context_len)
+            if row.emitted > 0:
+                lat.append(wall / row.emitted)
+        ckey = (tv, dv, buckets.batch_bucket(r.batch_size), buckets.context_bucket(max_ctx), r.max_k)
+        c = cost.get(ckey)
+        if c is None:
+            c = cost[ckey] = _CostAcc()
+        c.rounds += 1
+        c.batch_rows += r.batch_size
+        c.emitted += emitted
+        c.draft.append(r.draft_s)
+        c.verify.append(r.verify_s)
+        c.other.append(r.other_s)
+        c.latencies.extend(lat)
+    return Aggregate(
+        acceptance=tuple(_acceptance_window(key, a) for key, a in sorted(acc.items())),
+        cost=tuple(_cost_window(key, c) for key, c in sorted(cost.items())),
+        rounds=n,
+        rejected=rejected,
+    )
+
+
+def _acceptance_window(key: AcceptanceKey, a: _AcceptanceAcc) -> AcceptanceWindow:
+    tv, dv, rt, cb, k = key
+    return AcceptanceWindow(
+        target_version=tv, draft_version=dv, request_type=rt, context_bucket=cb, k=k,
+        rows=a.rows, drafted=a.rows * k, accepted=a.accepted, emitted=a.emitted, hist=tuple(a.hist),
+    )
+
+
+def _cost_window(key: CostKey, c: _CostAcc) -> CostWindow:
+    tv, dv, bb, cb, max_k = key
+    p50, p95, p99 = percentiles(c.latencies)
+    return CostWindow(
+        target_version=tv, draft_version=dv, batch_bucket=bb, context_bucket=cb, max_k=max_k,
+        rounds=c.rounds,
+        # Convention (records.py): the target scores batch_size * (max_k + 1) positions per round.
+        tokens_verified=c.batch_rows * (max_k + 1),
+        emitted=c.emitted, batch_rows=c.batch_rows,
+        draft_s=_stat(c.draft), verify_s=_stat(c.verify), other_s=_stat(c.other),
+        latency_p50=p50, latency_p95=p95, latency_p99=p99,
+    )

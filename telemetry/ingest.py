@@ -1,0 +1,177 @@
+"""The sidecar's ingestion step: transport -> validate -> store -> acknowledge.
+
+One :meth:`Consumer.step` reads a batch of entries (first any a dead consumer left pending too long, then new
+ones), validates each, moves invalid ones to the dead-letter stream with their reason (counted by reason),
+stores the valid ones in one transaction and acknowledges them only after the commit. A crash between commit
+and acknowledgement redelivers entries the store already holds; idempotent ingestion stores them once.
+
+Bad input never crashes the loop and is never silently dropped. A store or transport outage is counted and the
+step returns nothing; the unacknowledged entries stay pending and are claimed again after ``claim_min_idle_ms``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
+
+from telemetry.errors import StoreError, TransportError
+from telemetry.records import MAX_NAME_LEN, RecordError, WindowBatch
+from telemetry.store import Store
+from telemetry.transport import Entry, Transport, decode_payload
+
+STORE_REJECTED = "store_rejected"  # dead-letter reason: valid on the wire, but the database refused it
+
+
+def default_consumer_name() -> str:
+    """``host-pid``: unique per sidecar process, stable for its lifetime."""
+    return f"{socket.gethostname()}-{os.getpid()}"[:MAX_NAME_LEN]
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    """One sidecar consumer in the ``sidecar`` group."""
+
+    consumer: str = field(default_factory=default_consumer_name)  # name within the consumer group
+    count: int = 512  # entries per read: large reads amortise the store transaction
+    block_ms: int = 200  # how long a read waits for new entries
+    claim_min_idle_ms: int = 30_000  # entries pending this long belong to a consumer presumed dead
+    claim_interval_s: float = 5.0  # how often to look for such entries
+    backoff_s: float = 0.5  # pause after a transport or store failure, so an outage is not a busy loop
+
+    def __post_init__(self) -> None:
+        if not self.consumer or len(self.consumer) > MAX_NAME_LEN:
+            raise ValueError(f"ConsumerConfig.consumer must be 1..{MAX_NAME_LEN} chars")
+        if self.count < 1 or self.block_ms < 0 or self.claim_min_idle_ms < 0:
+            raise ValueError("ConsumerConfig needs count >= 1, block_ms >= 0 and claim_min_idle_ms >= 0")
+        if self.claim_interval_s < 0 or self.backoff_s < 0:
+            raise ValueError("ConsumerConfig intervals must be >= 0")
+
+
+@dataclass(frozen=True)
+class ConsumerStats:
+    """What the consumer did so far (a snapshot)."""
+
+    received: int  # entries read or claimed
+    claimed: int  # of which taken over from a stale consumer
+    stored: int  # batches new to the store
+    duplicates: int  # valid batches the store already held (redeliveries)
+    rejected: dict[str, int]  # dead-lettered entries by reason
+    transport_failures: int
+    store_failures: int
+    last_error: str | None
+
+
+class Consumer:
+    """Moves window batches from a transport into a store.
+
+    Args:
+        transport: the sidecar side of the transport.
+        store: where valid batches go.
+        config: consumer settings.
+    """
+
+    def __init__(self, transport: Transport, store: Store, config: ConsumerConfig | None = None) -> None:
+        self._t = transport
+        self._store = store
+        self._cfg = config or ConsumerConfig()
+        self._next_claim = 0.0
+        self._received = self._claimed = self._stored = self._duplicates = 0
+        self._transport_failures = self._store_failures = 0
+        self._rejected: dict[str, int] = {}
+        self._last_error: str | None = None
+
+    @property
+    def config(self) -> ConsumerConfig:
+        return self._cfg
+
+    def step(self) -> list[WindowBatch]:
+        """Read, validate, store and acknowledge one batch of entries.
+
+        Returns:
+            The batches newly stored by this step (redeliveries of stored batches are left out), for the
+            caller to feed to the policies.
+        """
+        cfg = self._cfg
+        entries: list[Entry] = []
+        try:
+            now = time.monotonic()
+            if now >= self._next_claim:
+                self._next_claim = now + cfg.claim_interval_s
+                stale = self._t.claim_stale(cfg.consumer, cfg.claim_min_idle_ms, cfg.count)
+                self._claimed += len(stale)
+                entries.extend(stale)
+            if len(entries) < cfg.count:
+                entries.extend(self._t.read(cfg.consumer, cfg.count - len(entries), cfg.block_ms))
+        except TransportError as e:
+            self._transport_failure(e)
+        if not entries:
+            return []
+        self._received += len(entries)
+        valid: list[tuple[str, WindowBatch]] = []
+        for eid, payload in entries:
+            try:
+                valid.append((eid, decode_payload(payload)))
+            except RecordError as e:
+                self._reject(eid, payload, e.reason)
+        if not valid:
+            return []
+        return self._store_and_ack(valid, {eid: p for eid, p in entries})
+
+    def _store_and_ack(self, valid: list[tuple[str, WindowBatch]], payloads: dict[str, bytes]) -> list[WindowBatch]:
+        try:
+            fresh = self._store.ingest_new([b for _, b in valid])
+        except (IntegrityError, DataError):
+            # One poisonous batch must not block the others: store them one by one, dead-letter the refused.
+            fresh = []
+            for eid, b in valid:
+                try:
+                    fresh.extend(self._store.ingest_new([b]))
+                except (IntegrityError, DataError):
+                    self._reject(eid, payloads[eid], STORE_REJECTED)
+                except (SQLAlchemyError, StoreError) as e:
+                    self._store_failure(e)
+                    return fresh
+        except (SQLAlchemyError, StoreError) as e:
+            self._store_failure(e)
+            return []
+        self._stored += len(fresh)
+        self._duplicates += len(valid) - len(fresh)
+        try:
+            self._t.ack([eid for eid, _ in valid])
+        except TransportError as e:  # stored but not acked: redelivery will find them already stored
+            self._transport_failure(e)
+        return fresh
+
+    def _reject(self, eid: str, payload: bytes, reason: str) -> None:
+        self._rejected[reason] = self._rejected.get(reason, 0) + 1
+        try:
+            self._t.deadletter(eid, payload, reason)
+        except TransportError as e:  # stays pending; it is rejected again when claimed
+            self._transport_failure(e)
+
+    def _transport_failure(self, e: Exception) -> None:
+        self._transport_failures += 1
+        self._last_error = str(e)
+        time.sleep(self._cfg.backoff_s)
+
+    def _store_failure(self, e: Exception) -> None:
+        self._store_failures += 1
+        self._last_error = f"store: {e}"
+        time.sleep(self._cfg.backoff_s)
+
+    def run(self, stop: threading.Event) -> None:
+        """Step until ``stop`` is set (the sidecar's ingestion thread)."""
+        while not stop.is_set():
+            self.step()
+
+    def stats(self) -> ConsumerStats:
+        return ConsumerStats(
+            received=self._received, claimed=self._claimed, stored=self._stored, duplicates=self._duplicates,
+            rejected=dict(self._rejected), transport_failures=self._transport_failures,
+            store_failures=self._store_failures, last_error=self._last_error,
+        )

@@ -1,0 +1,176 @@
+"""SQLAlchemy 2 models of the spectune store. Alembic (``migrations/``) owns the schema; these models are what
+``alembic check`` compares the migrations against.
+
+Window aggregates are stored flat (one column per statistic) so that SQL can sum them; the acceptance
+histogram is JSON (its length depends on k). Every window row points at the ingested batch it came from;
+``ingested_batches`` carries the unique ``(engine_id, seq)`` that makes ingestion idempotent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from telemetry.records import MAX_NAME_LEN
+
+VERSION_TABLE = "spectune_alembic_version"  # distinct from optuna's alembic_version in a shared database
+BUCKET_KEY_LEN = 5 * MAX_NAME_LEN + 4  # five labels and four '|' separators
+REASON_LEN = 500  # operators' notes; PolicyTable.reason is cut to this length too
+
+# Deterministic constraint names, so migrations can name what they create and drop (SQLite batch mode needs it).
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class EngineRow(Base):
+    """An engine process that has sent telemetry."""
+
+    __tablename__ = "engines"
+    engine_id: Mapped[str] = mapped_column(String(MAX_NAME_LEN), primary_key=True)
+    first_seen_at: Mapped[float] = mapped_column(Float)
+    last_seen_at: Mapped[float] = mapped_column(Float)
+
+
+class ModelVersionRow(Base):
+    """A (target, draft) pair of model versions; acceptance never carries over between pairs."""
+
+    __tablename__ = "model_versions"
+    __table_args__ = (UniqueConstraint("target_version", "draft_version", name="uq_model_versions_pair"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    target_version: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    draft_version: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    first_seen_at: Mapped[float] = mapped_column(Float)
+
+
+class IngestedBatchRow(Base):
+    """One window batch as received; ``(engine_id, seq)`` is unique, so a redelivered batch is stored once."""
+
+    __tablename__ = "ingested_batches"
+    __table_args__ = (UniqueConstraint("engine_id", "seq", name="uq_ingested_batches_engine_seq"),)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    engine_id: Mapped[str] = mapped_column(ForeignKey("engines.engine_id"))
+    seq: Mapped[int] = mapped_column(BigInteger)
+    window_start: Mapped[float] = mapped_column(Float)
+    window_end: Mapped[float] = mapped_column(Float)
+    dropped_before: Mapped[int] = mapped_column(Integer)
+    ingested_at: Mapped[float] = mapped_column(Float)
+
+
+class AcceptanceWindowRow(Base):
+    __tablename__ = "acceptance_windows"
+    __table_args__ = (
+        # "latest windows of this bucket and k for this model pair": an index range scan backwards on id.
+        Index("ix_acceptance_windows_bucket", "model_version_id", "request_type", "context_bucket", "k", "id"),
+        Index("ix_acceptance_windows_window_end", "window_end"),
+    )
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    batch_id: Mapped[int] = mapped_column(ForeignKey("ingested_batches.id", ondelete="CASCADE"), index=True)
+    model_version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id"))
+    engine_id: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    window_end: Mapped[float] = mapped_column(Float)
+    request_type: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    context_bucket: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    k: Mapped[int] = mapped_column(Integer)
+    rows: Mapped[int] = mapped_column(Integer)
+    drafted: Mapped[int] = mapped_column(Integer)
+    accepted: Mapped[int] = mapped_column(Integer)
+    emitted: Mapped[int] = mapped_column(Integer)
+    hist: Mapped[list[Any]] = mapped_column(JSON)  # hist[i] = rows that accepted exactly i drafts, len k + 1
+
+
+class CostWindowRow(Base):
+    __tablename__ = "cost_windows"
+    __table_args__ = (
+        Index("ix_cost_windows_bucket", "model_version_id", "batch_bucket", "context_bucket", "max_k", "id"),
+        Index("ix_cost_windows_window_end", "window_end"),
+    )
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    batch_id: Mapped[int] = mapped_column(ForeignKey("ingested_batches.id", ondelete="CASCADE"), index=True)
+    model_version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id"))
+    engine_id: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    window_end: Mapped[float] = mapped_column(Float)
+    batch_bucket: Mapped[int] = mapped_column(Integer)
+    context_bucket: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    max_k: Mapped[int] = mapped_column(Integer)
+    rounds: Mapped[int] = mapped_column(Integer)
+    tokens_verified: Mapped[int] = mapped_column(BigInteger)
+    emitted: Mapped[int] = mapped_column(BigInteger)
+    batch_rows: Mapped[int] = mapped_column(BigInteger)
+    draft_count: Mapped[int] = mapped_column(Integer)
+    draft_total: Mapped[float] = mapped_column(Float)
+    draft_sumsq: Mapped[float] = mapped_column(Float)
+    draft_max: Mapped[float] = mapped_column(Float)
+    verify_count: Mapped[int] = mapped_column(Integer)
+    verify_total: Mapped[float] = mapped_column(Float)
+    verify_sumsq: Mapped[float] = mapped_column(Float)
+    verify_max: Mapped[float] = mapped_column(Float)
+    other_count: Mapped[int] = mapped_column(Integer)
+    other_total: Mapped[float] = mapped_column(Float)
+    other_sumsq: Mapped[float] = mapped_column(Float)
+    other_max: Mapped[float] = mapped_column(Float)
+    latency_p50: Mapped[float] = mapped_column(Float)
+    latency_p95: Mapped[float] = mapped_column(Float)
+    latency_p99: Mapped[float] = mapped_column(Float)
+
+
+class SampledRoundRow(Base):
+    """A raw round kept for offline replay (the engine samples a fraction of its rounds)."""
+
+    __tablename__ = "sampled_rounds"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    batch_id: Mapped[int] = mapped_column(ForeignKey("ingested_batches.id", ondelete="CASCADE"), index=True)
+    engine_id: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    round: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class PolicyVersionRow(Base):
+    """A published policy table; ``version`` is the table's own, unique and increasing."""
+
+    __tablename__ = "policy_versions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    version: Mapped[int] = mapped_column(Integer, unique=True)
+    table: Mapped[dict[str, Any]] = mapped_column(JSON)
+    reason: Mapped[str] = mapped_column(String(REASON_LEN))
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class PinRow(Base):
+    """An operator's override of k for a bucket key; active while ``removed_at`` is null."""
+
+    __tablename__ = "pins"
+    __table_args__ = (Index("ix_pins_active", "bucket_key", "removed_at"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    bucket_key: Mapped[str] = mapped_column(String(BUCKET_KEY_LEN))
+    k: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(Text)
+    created_by: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    created_at: Mapped[float] = mapped_column(Float)
+    removed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    removed_by: Mapped[str | None] = mapped_column(String(MAX_NAME_LEN), nullable=True)
