@@ -1,0 +1,29 @@
+"""Policies: pure learning logic that decides k (0 = speculation off) per bucket. One policy per file.
+
+``REGISTRY`` maps each policy's name to its class; the conformance suite runs every entry.
+"""
+
+from policies.base import Decision, Policy
+from policies.batch_table import BatchTablePolicy
+from policies.goodput import GoodputPolicy
+from policies.hf_heuristic import HFHeuristicPolicy
+from policies.sglang_adaptive import SGLangAdaptivePolicy
+from policies.static import StaticPolicy
+from policies.ucb import UCBPolicy
+
+REGISTRY: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (StaticPolicy, BatchTablePolicy, HFHeuristicPolicy, SGLangAdaptivePolicy, UCBPolicy, GoodputPolicy)
+}
+
+__all__ = [
+    "REGISTRY",
+    "BatchTablePolicy",
+    "Decision",
+    "GoodputPolicy",
+    "HFHeuristicPolicy",
+    "Policy",
+    "SGLangAdaptivePolicy",
+    "StaticPolicy",
+    "UCBPolicy",
+]

@@ -1,0 +1,149 @@
+"""Closed-form speculative-decoding maths, as pure functions.
+
+Everything here follows Leviathan, Kalman & Matias, "Fast Inference from Transformers via Speculative Decoding",
+ICML 2023, arXiv:2211.17192. Vocabulary (see ``telemetry/records.py``): a row drafts ``k`` tokens, the target keeps
+``accepted`` of them and adds one bonus/correction token, so a round emits ``accepted + 1`` tokens. ``alpha`` is
+the per-token acceptance probability, ``c`` the cost of one draft step relative to one target forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+ALPHA_ONE_EPS = 1e-9  # below this distance from 1 use the limit k + 1 of the geometric sum
+MAX_JOINT_COMBOS = 20_000  # joint per-type search in batch_goodput; larger grids fall back to one shared k
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens emitted by one round (Leviathan et al. 2023, eq. 1).
+
+    ``E[emitted] = (1 - alpha^(k+1)) / (1 - alpha)``; as ``alpha -> 1`` this tends to ``k + 1``.
+
+    Args:
+        alpha: per-token acceptance probability in [0, 1].
+        k: draft length (0 = no speculation: exactly one token).
+
+    Returns:
+        Expected emitted tokens, in [1, k + 1].
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if 1.0 - alpha < ALPHA_ONE_EPS:
+        return float(k + 1)
+    return float((1.0 - alpha ** (k + 1)) / (1.0 - alpha))
+
+
+def expected_tokens_vec(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Vectorised :func:`expected_tokens` with numpy broadcasting.
+
+    Args:
+        alpha: acceptance probabilities, any shape, values in [0, 1].
+        k: draft lengths, broadcastable against ``alpha``.
+
+    Returns:
+        Expected emitted tokens with the broadcast shape.
+    """
+    a = np.asarray(alpha, dtype=float)
+    kk = np.asarray(k, dtype=float)
+    near_one = (1.0 - a) < ALPHA_ONE_EPS
+    safe = np.where(near_one, 0.5, a)
+    geo = (1.0 - safe ** (kk + 1.0)) / (1.0 - safe)
+    return np.where(near_one, kk + 1.0, geo)
+
+
+def expected_tokens_from_curve(curve: Sequence[float] | np.ndarray) -> float:
+    """Expected emitted tokens from a measured acceptance curve (general form of eq. 1).
+
+    ``E[emitted] = 1 + sum_i P(accepted >= i)``: the bonus token plus the expected number of accepted drafts
+    (tail-sum formula for a non-negative integer variable). With ``P(accepted >= i) = alpha^i`` this is eq. 1.
+
+    Args:
+        curve: ``[k]`` values P(accepted >= i | k) for i = 1..k, non-increasing in [0, 1].
+    """
+    c = np.asarray(curve, dtype=float)
+    if c.size and (np.any(c < 0) or np.any(c > 1)):
+        raise ValueError("acceptance curve values must lie in [0, 1]")
+    return float(1.0 + c.sum())
+
+
+def emitted_by_k(cond: np.ndarray) -> np.ndarray:
+    """Expected emitted tokens for every k from per-position conditional acceptance.
+
+    Args:
+        cond: ``[..., K]`` P(position i accepted | positions < i accepted), i = 1..K.
+
+    Returns:
+        ``[..., K + 1]``: entry k is ``1 + sum_{i<=k} prod_{j<=i} cond_j`` (k = 0 gives 1).
+    """
+    surv = np.cumprod(cond, axis=-1)  # [..., K]: P(accepted >= i)
+    zeros = np.zeros((*surv.shape[:-1], 1))
+    return 1.0 + np.concatenate([zeros, np.cumsum(surv, axis=-1)], axis=-1)
+
+
+def speedup(alpha: float, k: int, c: float) -> float:
+    """Expected wall-time improvement factor (Leviathan et al. 2023, Theorem 3.8).
+
+    ``(1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))``: expected tokens per round over the round's cost in units of
+    one target forward (k draft steps of cost c plus one verify forward).
+
+    Args:
+        alpha: per-token acceptance probability in [0, 1].
+        k: draft length.
+        c: draft step cost relative to a target forward, >= 0.
+    """
+    if c < 0:
+        raise ValueError(f"c must be >= 0, got {c}")
+    return expected_tokens(alpha, k) / (k * c + 1.0)
+
+
+def optimal_draft_length(alpha: float, c: float, k_max: int) -> int:
+    """The k in [0, k_max] maximising :func:`speedup` (ties go to the smaller k).
+
+    k = 0 (speedup 1) wins whenever no k >= 1 beats plain decoding; the paper's Corollary 3.9 condition
+    ``alpha > c`` is what makes some k >= 1 worthwhile.
+    """
+    if k_max < 0:
+        raise ValueError(f"k_max must be >= 0, got {k_max}")
+    ks = np.arange(k_max + 1)
+    s = expected_tokens_vec(np.full(ks.shape, alpha), ks) / (ks * c + 1.0)
+    return int(np.argmax(s))
+
+
+def batch_goodput(
+    emitted: np.ndarray, mix: np.ndarray, batch_size: float, round_s: np.ndarray, shared_k: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Expected goodput of every joint per-type choice of k in a batch whose round cost follows the largest k.
+
+    Rows of type t make up a fraction ``mix[t]`` of the batch; a round of ``batch_size`` rows drafts and verifies
+    at the largest k present, so ``P(max k <= m) = (1 - sum_{t: k_t > m} mix_t) ** batch_size``. Goodput is
+    emitted tokens per second over the long run: expected emitted per round over expected round seconds.
+
+    Args:
+        emitted: ``[T, K + 1]`` expected emitted tokens per row for each type and k.
+        mix: ``[T]`` type fractions of the rows (normalised here).
+        batch_size: rows per round (>= 1).
+        round_s: ``[K + 1]`` expected seconds of a round whose largest k is m.
+        shared_k: force one k for every type (also used when the joint grid is too large).
+
+    Returns:
+        ``(combos [C, T] int, goodput [C])``.
+    """
+    n_types, n_k = emitted.shape
+    w = np.asarray(mix, dtype=float)
+    w = w / w.sum()
+    if shared_k or n_k**n_types > MAX_JOINT_COMBOS:
+        combos = np.repeat(np.arange(n_k)[:, None], n_types, axis=1)
+    else:
+        combos = np.array(list(itertools.product(range(n_k), repeat=n_types)), dtype=int).reshape(-1, n_types)
+    tok = batch_size * (emitted[np.arange(n_types)[None, :], combos] * w[None, :]).sum(axis=1)  # [C]
+    m = np.arange(n_k)
+    over = combos[:, :, None] > m[None, None, :]  # [C, T, K+1]: type t drafts past m
+    cdf = np.clip(1.0 - (over * w[None, :, None]).sum(axis=1), 0.0, 1.0) ** batch_size  # [C, K+1]
+    pmf = np.diff(cdf, axis=1, prepend=0.0)
+    secs = pmf @ np.asarray(round_s, dtype=float)
+    return combos, tok / np.maximum(secs, 1e-12)

@@ -1,0 +1,195 @@
+"""The extension point every policy implements.
+
+A **policy** decides k (0 = speculation off) for a :class:`~telemetry.records.Bucket` and learns from the
+acceptance and cost windows telemetry delivers. The public methods do the shared work (input validation,
+burn-in, clamping k to ``[0, k_max]``, snapshot versioning) and call the private hooks ``_decide``,
+``_observe``, ``_get_state`` / ``_set_state``. Learned state lives in ``_underscore`` attributes; constructor
+arguments are the hyper-parameters; every policy owns a seeded ``numpy.random.Generator``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from telemetry.records import (
+    MAX_DRAFT_LEN,
+    AcceptanceWindow,
+    Bucket,
+    CostWindow,
+    PolicyTable,
+    RecordError,
+    acceptance_from_dict,
+    cost_from_dict,
+)
+
+SNAPSHOT_VERSION = 1  # bump when a snapshot's shape changes; restore() rejects other versions
+Window = AcceptanceWindow | CostWindow
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a policy chose for one bucket, and why."""
+
+    k: int  # draft length for rows of the bucket (0 = speculation off)
+    expected_goodput: dict[int, float] = field(default_factory=dict)  # candidate k -> expected tokens/s (if modelled)
+    exploring: bool = False  # True when k is not the policy's current best guess (exploration or probe)
+    reason: str = ""  # short human-readable why, for operators and logs
+
+
+def cell_key(target: str, draft: str, batch_bucket: int | str, context_bucket: str) -> str:
+    """The cost cell of a bucket: (versions, batch-size bucket, context bucket)."""
+    return f"{target}|{draft}|{batch_bucket}|{context_bucket}"
+
+
+def context_len_of(label: str, default: int = 512) -> int:
+    """A representative context length for a context-bucket label (``"<=512"`` -> 512, ``">8192"`` -> 16384)."""
+    try:
+        if label.startswith("<="):
+            return max(1, int(label[2:]))
+        if label.startswith(">"):
+            return max(1, 2 * int(label[1:]))
+    except ValueError:
+        pass
+    return default
+
+
+class Policy(ABC):
+    """Base class: decide k per bucket, learn from windows, snapshot to plain JSON-safe dicts.
+
+    Args:
+        k_max: largest draft length this policy may choose (<= ``MAX_DRAFT_LEN``).
+        seed: seed of the policy's own random generator (no global random state anywhere).
+        burn_in_windows: windows to observe before deciding freely; until then ``burn_in_k`` is returned.
+        burn_in_k: k used during burn-in (clamped to ``[0, k_max]``).
+    """
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, k_max: int = 8, seed: int = 0, burn_in_windows: int = 0, burn_in_k: int = 1) -> None:
+        if not 0 <= k_max <= MAX_DRAFT_LEN:
+            raise ValueError(f"k_max must be in [0, {MAX_DRAFT_LEN}], got {k_max}")
+        if burn_in_windows < 0:
+            raise ValueError(f"burn_in_windows must be >= 0, got {burn_in_windows}")
+        self.k_max = k_max
+        self.seed = seed
+        self.burn_in_windows = burn_in_windows
+        self.burn_in_k = burn_in_k
+        self._rng = np.random.default_rng(seed)
+        self._n_windows = 0
+
+    # ------------------------------------------------------------------------------------------- public API
+    def decide(self, bucket: Bucket, explore: bool = True) -> Decision:
+        """Choose k for rows of ``bucket``. Never raises for an unknown bucket: policies fall back to broader ones.
+
+        Args:
+            bucket: the bucket to decide for.
+            explore: False asks for the current best guess without exploration or state changes (tables).
+        """
+        if not isinstance(bucket, Bucket):
+            raise RecordError("bad_type", f"decide() takes a Bucket, got {type(bucket).__name__}")
+        if self._n_windows < self.burn_in_windows:
+            return Decision(k=self._clamp(self.burn_in_k), exploring=True, reason="burn-in")
+        d = self._decide(bucket, explore)
+        k = self._clamp(d.k)
+        if k != d.k:
+            d = Decision(k=k, expected_goodput=d.expected_goodput, exploring=d.exploring, reason=d.reason + "; clamped")
+        return d
+
+    def observe(self, window: Window) -> None:
+        """Validate a window and learn from it. Garbage raises :class:`RecordError` naming what is wrong."""
+        if isinstance(window, AcceptanceWindow):
+            acceptance_from_dict(asdict(window))  # same checks as the wire decoder
+            if window.k > MAX_DRAFT_LEN:
+                raise RecordError("out_of_range", f"k={window.k} > MAX_DRAFT_LEN")
+        elif isinstance(window, CostWindow):
+            cost_from_dict(asdict(window))
+            if window.rounds <= 0 or window.batch_rows <= 0:
+                raise RecordError("empty_window", "cost window with no rounds; drop it before observe()")
+        else:
+            got = type(window).__name__
+            raise RecordError("bad_type", f"observe() takes AcceptanceWindow or CostWindow, got {got}")
+        self._n_windows += 1
+        self._observe(window)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain, versioned, JSON-safe state (hyper-parameters, learned state and the RNG position)."""
+        return {
+            "policy": self.name,
+            "snapshot_version": SNAPSHOT_VERSION,
+            "k_max": self.k_max,
+            "n_windows": self._n_windows,
+            "rng": _jsonable(self._rng.bit_generator.state),
+            "state": self._get_state(),
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Load a :meth:`snapshot` taken from a policy of the same class and ``k_max``."""
+        if not isinstance(snap, dict):
+            raise RecordError("bad_type", "snapshot must be a dict")
+        if snap.get("policy") != self.name:
+            raise RecordError("wrong_policy", f"snapshot of {snap.get('policy')!r} cannot restore {self.name!r}")
+        if snap.get("snapshot_version") != SNAPSHOT_VERSION:
+            raise RecordError(
+                "unknown_snapshot_version",
+                f"snapshot_version={snap.get('snapshot_version')!r}, this build reads {SNAPSHOT_VERSION}; "
+                "start the policy cold or restore with the build that wrote it",
+            )
+        if snap.get("k_max") != self.k_max:
+            raise RecordError("k_max_mismatch", f"snapshot k_max={snap.get('k_max')} != policy k_max={self.k_max}")
+        try:
+            self._rng.bit_generator.state = snap["rng"]
+            self._n_windows = int(snap["n_windows"])
+            self._set_state(snap["state"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise RecordError("bad_snapshot", f"snapshot is malformed: {e!r}") from e
+
+    def table(self, buckets: Iterable[Bucket], version: int, reason: str = "") -> PolicyTable:
+        """Project the current best guesses (no exploration) onto a :class:`PolicyTable`."""
+        entries = {b.key(): self.decide(b, explore=False).k for b in buckets}
+        ks = list(entries.values())
+        default_k = max(set(ks), key=lambda k: (ks.count(k), -k)) if ks else 0
+        return PolicyTable(version=version, default_k=default_k, k_max=self.k_max, entries=entries,
+                           reason=reason or f"{self.name} policy")
+
+    # ------------------------------------------------------------------------------------------- hooks
+    @abstractmethod
+    def _decide(self, bucket: Bucket, explore: bool) -> Decision:
+        """The policy's choice; the base clamps it."""
+
+    def _observe(self, window: Window) -> None:  # noqa: B027 - static policies learn nothing
+        """Learn from a validated window (default: nothing)."""
+
+    @abstractmethod
+    def _get_state(self) -> dict[str, Any]:
+        """Learned state as JSON-safe plain data."""
+
+    @abstractmethod
+    def _set_state(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`_get_state`."""
+
+    # ------------------------------------------------------------------------------------------- helpers
+    def _clamp(self, k: int) -> int:
+        return int(min(max(int(k), 0), self.k_max))
+
+
+def _jsonable(x: Any) -> Any:
+    """numpy scalars/arrays and tuples -> plain Python, recursively; non-finite floats are rejected."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _jsonable(x.tolist())
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.floating | float):
+        if not math.isfinite(float(x)):
+            raise ValueError("non-finite value in snapshot")
+        return float(x)
+    return x

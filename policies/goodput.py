@@ -1,0 +1,171 @@
+"""``goodput``: the policy spectune ships — model-based choice of k that maximises emitted tokens per second.
+
+Vocabulary as in ``telemetry/records.py`` (a round emits ``accepted + 1`` tokens per row; goodput is emitted
+tokens per wall second for the whole batch). Expected tokens per round follow Leviathan et al. 2023
+(arXiv:2211.17192) eq. 1 in its general form, ``1 + sum_i P(accepted >= i)``, with the per-position acceptance
+curve learnt as Beta posteriors (:mod:`policies._acceptance`). Round seconds come from a ridge cost model shared
+across buckets (:mod:`policies._cost`): at high batch the verify cost grows with ``k + 1`` and speculation can
+lose, so k = 0 is always a candidate.
+
+A round costs what its largest k costs, so k is chosen jointly for the request types that share a batch
+(:func:`policies.analytic.batch_goodput`, with the recent request mix of the context bucket); a bucket's k is its
+type's entry in that joint choice. Exploration is Thompson sampling over the acceptance posteriors; a cell seen
+at only one k is probed once at a contrasting k so the cost slope is identified; a cell that turned speculation
+off is re-probed every ``probe_every`` decisions. Hysteresis: switch only when the sampled gain exceeds
+``switch_margin`` and then hold for ``hold_decisions`` (vLLM issue #49548: K flipping 2 <-> 0 collapses
+throughput). A model update shows up as new versions in the bucket; their acceptance starts from the previous
+version's type curve with a small pseudo-count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from policies._acceptance import AcceptanceModel
+from policies._cost import CostModel
+from policies.analytic import batch_goodput, emitted_by_k
+from policies.base import Decision, Policy, Window, cell_key
+from telemetry.records import AcceptanceWindow, Bucket, CostWindow
+
+MIN_TYPE_WEIGHT = 0.02  # a type absent from the recent mix still gets a say (it is being asked about)
+
+
+class GoodputPolicy(Policy):
+    """Bayesian acceptance x learnt cost -> k per bucket, maximising batch goodput.
+
+    Args:
+        k_max: see :class:`~policies.base.Policy`.
+        seed: Thompson sampling seed.
+        objective: ``"goodput"`` (tokens/s) or ``"latency"`` (same objective, restricted to k whose predicted
+            round seconds keep per-token p99 latency under ``latency_p99_s``; k = 0 always allowed).
+        latency_p99_s: p99 per-token latency bound for ``"latency"``; a row may emit only one token in a round,
+            so the bound applies to round seconds.
+        switch_margin: relative expected gain required to change k.
+        hold_decisions: decisions to keep k after a change.
+        probe_every: decisions with speculation off before one exploratory decision with it on.
+        prior_mean, bucket_strength, type_strength, version_strength, acceptance_decay: see
+            :class:`~policies._acceptance.AcceptanceModel`.
+        ridge_alpha, refit_every: see :class:`~policies._cost.CostModel`.
+    """
+
+    name = "goodput"
+
+    def __init__(self, k_max: int = 8, seed: int = 0, objective: str = "goodput", latency_p99_s: float | None = None,
+                 switch_margin: float = 0.03, hold_decisions: int = 3, probe_every: int = 50,
+                 prior_mean: float = 0.6, bucket_strength: float = 30.0, type_strength: float = 60.0,
+                 version_strength: float = 10.0, acceptance_decay: float = 0.995, ridge_alpha: float = 0.3,
+                 refit_every: int = 16) -> None:
+        super().__init__(k_max=k_max, seed=seed)
+        if objective not in ("goodput", "latency"):
+            raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
+        if objective == "latency" and (latency_p99_s is None or latency_p99_s <= 0):
+            raise ValueError("objective='latency' needs latency_p99_s > 0")
+        if switch_margin < 0 or hold_decisions < 0 or probe_every < 1:
+            raise ValueError("switch_margin, hold_decisions must be >= 0 and probe_every >= 1")
+        self.objective, self.latency_p99_s = objective, latency_p99_s
+        self.switch_margin, self.hold_decisions, self.probe_every = switch_margin, hold_decisions, probe_every
+        self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
+                                    acceptance_decay)
+        self._cost = CostModel(k_max, ridge_alpha, refit_every)
+        self._cells: dict[str, dict[str, Any]] = {}  # cell -> {"ks": {type: k}, "hold", "off", "probed", "epoch"}
+
+    # ----------------------------------------------------------------------------------------- learning
+    def _observe(self, window: Window) -> None:
+        if isinstance(window, AcceptanceWindow):
+            self._acc.observe(window)
+        elif isinstance(window, CostWindow) and window.max_k <= self.k_max:
+            w = window
+            self._cost.observe(w.batch_bucket, w.context_bucket, w.max_k, w.rounds, w.batch_rows,
+                               w.draft_s.total, w.verify_s.total, w.other_s.total)
+
+    # ----------------------------------------------------------------------------------------- deciding
+    def _evaluate(self, bucket: Bucket, types: list[str], weights: np.ndarray,
+                  rng: np.random.Generator | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Joint combos ``[C, T]``, their goodput ``[C]`` and the shared-k goodput ``[K + 1]``."""
+        vd = f"{bucket.target_version}|{bucket.draft_version}"
+        cond = np.stack([self._acc.cond(vd, t, bucket.context_bucket, rng) for t in types])  # [T, K]
+        emitted = emitted_by_k(cond[:, : self.k_max])  # [T, K+1]
+        b = self._cost.mean_batch(bucket.batch_bucket, bucket.context_bucket)
+        secs = self._cost.predict(bucket.batch_bucket, bucket.context_bucket, b).sum(axis=1)  # [K+1]
+        combos, g = batch_goodput(emitted, weights, b, secs)
+        _, g_shared = batch_goodput(emitted, weights, b, secs, shared_k=True)
+        if self.objective == "latency" and self._cost.fitted:
+            assert self.latency_p99_s is not None
+            allowed = (secs <= self.latency_p99_s) | (np.arange(secs.size) == 0)
+            g = np.where(allowed[combos.max(axis=1)], g, -np.inf)
+            g_shared = np.where(allowed, g_shared, -np.inf)
+        return combos, g, g_shared
+
+    def _decide(self, bucket: Bucket, explore: bool) -> Decision:
+        b = bucket
+        ckey = cell_key(b.target_version, b.draft_version, b.batch_bucket, b.context_bucket)
+        vd = f"{b.target_version}|{b.draft_version}"
+        mix = self._acc.mix(vd, b.context_bucket)
+        total = sum(mix.values())
+        types = sorted(set(mix) | {b.request_type})
+        w = np.array([max(mix.get(t, 0.0) / total if total else 0.0, MIN_TYPE_WEIGHT) for t in types])
+        st = self._cells.get(ckey)
+        if st is not None and st["epoch"] == self._n_windows and b.request_type in st["ks"]:
+            return self._result(st, b.request_type, "cached")  # one decision per cell per batch of windows
+        combos, g_mean, g_shared = self._evaluate(b, types, w, None)
+        best_mean = combos[int(np.argmax(g_mean))]
+        expected = {k: float(v) for k, v in enumerate(g_shared) if np.isfinite(v)}
+        if not explore:
+            known = st is not None and all(t in st["ks"] for t in types)
+            ks = st["ks"] if st is not None and known else dict(zip(types, best_mean, strict=True))
+            return Decision(k=int(ks[b.request_type]), expected_goodput=expected, reason="current best, no exploration")
+        combos, g, _ = self._evaluate(b, types, w, self._rng)  # Thompson draw
+        best = int(np.argmax(g))
+        if st is None:
+            st = {"ks": {}, "hold": 0, "off": 0, "probed": False, "epoch": -1}
+            self._cells[ckey] = st
+        cur = [int(st["ks"].get(t, -1)) for t in types]
+        reason, exploring = "thompson best", False
+        if any(k < 0 for k in cur):  # first decision for (some of) these types
+            new, reason = [int(x) for x in combos[best]], "first decision"
+        else:
+            ci = int(np.flatnonzero((combos == np.array(cur)).all(axis=1))[0])
+            new = cur
+            if st["hold"] > 0:
+                st["hold"] -= 1
+                reason = "holding after a switch"
+            elif g[best] > g[ci] * (1.0 + self.switch_margin):
+                new, reason = [int(x) for x in combos[best]], "switch: expected gain above margin"
+                st["hold"] = self.hold_decisions
+        seen = self._cost.ks_seen(b.batch_bucket, b.context_bucket)
+        if len(seen) == 1 and not st["probed"]:  # identify this cell's cost slope in k
+            only = next(iter(seen))
+            alt = int(np.argmax(g_shared[1:]) + 1) if only == 0 else 0
+            new, reason, exploring, st["probed"] = [alt] * len(types), f"cost probe at k={alt}", True, True
+        st["off"] = st["off"] + 1 if max(new) == 0 else 0
+        if st["off"] >= self.probe_every:
+            alt = int(np.argmax(g_shared[1:]) + 1)
+            new, reason, exploring, st["off"] = [alt] * len(types), f"re-probe k={alt} after speculation off", True, 0
+            st["ks"] = dict(zip(types, new, strict=True))
+            st["epoch"] = self._n_windows
+            return Decision(k=alt, expected_goodput=expected, exploring=True, reason=reason)
+        exploring = exploring or [int(x) for x in new] != [int(x) for x in best_mean]
+        st["ks"] = dict(zip(types, new, strict=True))
+        st["epoch"] = self._n_windows
+        st["reason"], st["exploring"], st["expected"] = reason, exploring, expected
+        return self._result(st, b.request_type, reason)
+
+    @staticmethod
+    def _result(st: dict[str, Any], rtype: str, reason: str) -> Decision:
+        return Decision(k=int(st["ks"][rtype]), expected_goodput=dict(st.get("expected", {})),
+                        exploring=bool(st.get("exploring", False)), reason=str(st.get("reason", reason)))
+
+    # ----------------------------------------------------------------------------------------- state
+    def _get_state(self) -> dict[str, Any]:
+        cells = {k: {**v, "ks": {t: int(x) for t, x in v["ks"].items()},
+                     "expected": {str(kk): vv for kk, vv in v.get("expected", {}).items()}}
+                 for k, v in self._cells.items()}
+        return {"acceptance": self._acc.get_state(), "cost": self._cost.get_state(), "cells": cells}
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self._acc.set_state(state["acceptance"])
+        self._cost.set_state(state["cost"])
+        self._cells = {k: {**v, "expected": {int(kk): float(vv) for kk, vv in v.get("expected", {}).items()}}
+                       for k, v in state["cells"].items()}
