@@ -69,7 +69,10 @@ def encode_batch(batch: WindowBatch, encoding: Encoding = "json") -> bytes:
     """
     if encoding == "json":
         return encode_window_batch(batch)
-    data: bytes = msgpack.packb(window_batch_to_dict(batch), use_bin_type=True)
+    try:
+        data: bytes = msgpack.packb(window_batch_to_dict(batch), use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as e:  # e.g. an int beyond 64 bits
+        raise RecordError("unencodable", f"msgpack cannot encode the batch: {e}") from e
     if len(data) > MAX_ENCODED_BYTES:
         raise RecordError("too_large", f"{len(data)} bytes > cap {MAX_ENCODED_BYTES}")
     return data
@@ -268,9 +271,7 @@ class RedisStreamsTransport(Transport):
             )
         try:
             out = fn()
-        except ResponseError:
-            raise
-        except (RedisError, OSError) as e:
+        except (RedisError, OSError) as e:  # connection, timeout, AUTH and server errors alike
             with self._lock:
                 self._backoff = min(self.config.backoff_max_s, max(self.config.backoff_initial_s, self._backoff * 2))
                 self._retry_at = time.monotonic() + self._backoff

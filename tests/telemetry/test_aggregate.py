@@ -1,0 +1,78 @@
+"""Aggregation of hand-built rounds into acceptance and cost windows."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from telemetry.aggregate import aggregate, percentiles
+from telemetry.records import (
+    BucketConfig,
+    WindowBatch,
+    decode_window_batch,
+    encode_window_batch,
+)
+from telemetry.synthetic import synthetic_rounds
+
+
+def test_acceptance_counts_rows_per_key_including_k0(make_round) -> None:
+    r1 = make_round([("code", 100, 4, 4), ("code", 200, 4, 1), ("prose", 100, 0, 0)])
+    r2 = make_round([("code", 300, 4, 0), ("code", 3000, 4, 2)], round_index=1)
+    agg = aggregate([r1, r2])
+    by_key = {(a.request_type, a.context_bucket, a.k): a for a in agg.acceptance}
+    assert set(by_key) == {("code", "<=512", 4), ("prose", "<=512", 0), ("code", "<=8192", 4)}
+    a = by_key[("code", "<=512", 4)]
+    assert (a.rows, a.drafted, a.accepted, a.emitted) == (3, 12, 5, 8)
+    assert a.hist == (1, 1, 0, 0, 1)
+    assert a.mean_acceptance_length == pytest.approx(8 / 3)  # counts the bonus token
+    assert a.acceptance_curve() == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
+    off = by_key[("prose", "<=512", 0)]
+    assert (off.rows, off.drafted, off.accepted, off.emitted, off.hist) == (1, 0, 0, 1, (1,))
+    assert agg.rounds == 2 and agg.rejected == {}
+
+
+def test_cost_keyed_by_batch_bucket_max_context_and_max_k(make_round) -> None:
+    r1 = make_round([("code", 100, 4, 4), ("code", 600, 2, 1), ("prose", 50, 0, 0)], draft_s=0.002, verify_s=0.01)
+    r2 = make_round([("code", 100, 4, 3), ("code", 700, 1, 0), ("code", 10, 0, 0)], draft_s=0.004, verify_s=0.02)
+    r3 = make_round([("code", 100, 2, 2)], draft_s=0.001, verify_s=0.003)
+    agg = aggregate([r1, r2, r3], BucketConfig(batch_edges=(1, 2, 4), context_edges=(512, 2048)))
+    by_key = {(c.batch_bucket, c.context_bucket, c.max_k): c for c in agg.cost}
+    assert set(by_key) == {(4, "<=2048", 4), (1, "<=512", 2)}
+    c = by_key[(4, "<=2048", 4)]
+    assert (c.rounds, c.batch_rows, c.tokens_verified) == (2, 6, 6 * 5)
+    assert c.emitted == (5 + 2 + 1) + (4 + 1 + 1)
+    assert c.draft_s.count == 2 and c.draft_s.total == pytest.approx(0.006) and c.draft_s.max == pytest.approx(0.004)
+    assert c.verify_s.sumsq == pytest.approx(0.01**2 + 0.02**2)
+    # per-token latency of a row = round wall seconds / tokens that row emitted
+    w1, w2 = 0.002 + 0.01 + 0.0005, 0.004 + 0.02 + 0.0005
+    lat = [w1 / 5, w1 / 2, w1 / 1, w2 / 4, w2 / 1, w2 / 1]
+    assert [c.latency_p50, c.latency_p95, c.latency_p99] == pytest.approx(np.percentile(lat, [50, 95, 99]))
+
+
+def test_rows_that_emitted_nothing_have_no_latency(make_round) -> None:
+    r = make_round([("code", 10, 2, 0), ("code", 10, 2, 1)], emitted=[0, 2])
+    (c,) = aggregate([r]).cost
+    assert c.latency_p50 == pytest.approx(r.wall_s / 2)
+    assert percentiles([]) == [0.0, 0.0, 0.0]
+
+
+def test_invalid_rounds_are_left_out_and_counted(make_round) -> None:
+    good = make_round([("code", 10, 2, 1)])
+    bad_acc = make_round([("code", 10, 2, 3)])
+    bad_time = make_round([("code", 10, 2, 1)], verify_s=math.nan)
+    neg_time = make_round([("code", 10, 2, 1)], draft_s=-1.0)
+    bad_name = make_round([("a|b", 10, 2, 1)])
+    agg = aggregate([good, bad_acc, bad_time, neg_time, bad_name])
+    assert agg.rounds == 1
+    assert agg.rejected == {"accepted_gt_drafted": 1, "non_finite": 1, "negative_time": 1, "bad_name": 1}
+
+
+def test_aggregates_pass_wire_validation() -> None:
+    agg = aggregate(synthetic_rounds(500, seed=3))
+    batch = WindowBatch("e1", 1, 0.0, 0.25, agg.acceptance, agg.cost)
+    back = decode_window_batch(encode_window_batch(batch))
+    assert back == batch
+    assert sum(a.rows for a in agg.acceptance) == sum(c.batch_rows for c in agg.cost)
+    assert sum(c.rounds for c in agg.cost) == 500

@@ -1,0 +1,110 @@
+"""Wire encoding: JSON and msgpack round trips, and no byte string crashes the decoders."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from telemetry.aggregate import aggregate
+from telemetry.records import MAX_ENCODED_BYTES, RecordError, WindowBatch, decode_window_batch, window_batch_to_dict
+from telemetry.synthetic import synthetic_rounds
+from telemetry.transport import decode_payload, encode_batch
+
+
+def _batch() -> WindowBatch:
+    rounds = list(synthetic_rounds(50, seed=1))
+    agg = aggregate(rounds)
+    return WindowBatch("e1", 7, 1.0, 1.25, agg.acceptance, agg.cost, tuple(rounds[:3]), dropped_before=2)
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+def test_round_trip(encoding: str) -> None:
+    b = _batch()
+    assert decode_payload(encode_batch(b, encoding)) == b  # type: ignore[arg-type]
+
+
+def test_msgpack_is_smaller_with_the_same_shape() -> None:
+    b = _batch()
+    packed = encode_batch(b, "msgpack")
+    assert len(packed) < len(encode_batch(b, "json"))
+    assert msgpack.unpackb(packed) == json.loads(encode_batch(b, "json"))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda d: d.update(schema_version=99), "unknown_schema_version"),
+        (lambda d: d.update(seq="7"), "bad_type"),
+        (lambda d: d["cost"][0].update(latency_p50=-1.0), "negative_time"),
+        (lambda d: d["acceptance"][-1].update(accepted=10**6), "accepted_gt_drafted"),
+    ],
+)
+def test_msgpack_is_validated_like_json(mutate, reason: str) -> None:
+    d = window_batch_to_dict(_batch())
+    mutate(d)
+    with pytest.raises(RecordError) as e:
+        decode_payload(msgpack.packb(d))
+    assert e.value.reason == reason
+
+
+def test_nan_is_rejected_in_both_encodings() -> None:
+    d = window_batch_to_dict(_batch())
+    d["cost"][0]["latency_p99"] = float("nan")
+    for payload in (json.dumps(d).encode(), msgpack.packb(d)):
+        with pytest.raises(RecordError) as e:
+            decode_payload(payload)
+        assert e.value.reason == "non_finite"
+
+
+def test_oversized_payloads_are_rejected_unread() -> None:
+    for payload in (b"{" + b" " * MAX_ENCODED_BYTES + b"}", b"\x80" * (MAX_ENCODED_BYTES + 1)):
+        with pytest.raises(RecordError) as e:
+            decode_payload(payload)
+        assert e.value.reason == "too_large"
+
+
+_FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@_FUZZ
+@given(st.binary(max_size=2048))
+def test_no_byte_string_crashes_decode_window_batch(data: bytes) -> None:
+    with contextlib.suppress(RecordError):
+        decode_window_batch(data)
+
+
+@_FUZZ
+@given(st.binary(max_size=2048))
+def test_no_byte_string_crashes_decode_payload(data: bytes) -> None:
+    with contextlib.suppress(RecordError):
+        decode_payload(data)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=15), inner, max_size=6),
+    max_leaves=30,
+)
+
+
+@_FUZZ
+@given(_json)
+def test_no_structure_crashes_the_validator(obj: object) -> None:
+    # Structured fuzz reaches deeper than random bytes: valid JSON / msgpack of arbitrary shape.
+    for payload in (json.dumps(obj).encode(), msgpack.packb(obj)):
+        with contextlib.suppress(RecordError):
+            decode_payload(payload)
+
+
+@_FUZZ
+@given(st.sampled_from(["acceptance", "cost"]), st.text(max_size=12), _json)
+def test_corrupting_one_field_of_a_valid_batch_never_crashes(section: str, key: str, value: object) -> None:
+    d = window_batch_to_dict(_batch())
+    d[section][0][key] = value
+    with contextlib.suppress(RecordError):
+        decode_payload(json.dumps(d).encode())
