@@ -1,0 +1,50 @@
+"""The simulator reads only its calibration, is seeded, and is fast."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.simulator import Calibration, CalibrationError, expected_goodput, simulate, workload
+from policies import StaticPolicy
+
+FIXTURE = Path(__file__).with_name("fixture_engine.json")
+
+
+def test_calibration_reads_fixture() -> None:
+    cal = Calibration(FIXTURE)
+    assert cal.types == ["code", "prose", "structured"] and cal.batches == [1, 4, 16, 64] and cal.K == 8
+    for ver in ("target-v1", "target-v2"):
+        for t in cal.types:
+            for cx in cal.contexts:
+                p = cal.pmf(ver, t, cx, 5)
+                assert p.shape == (6,) and p.sum() == pytest.approx(1.0)
+    # measured points are reproduced exactly; between them the interpolation is monotone in batch
+    assert cal.round_s(16, "short")[3] == pytest.approx(cal.cost[2, 0, 3])
+    v = [cal.round_s(b, "long")[4, 1] for b in (1, 2, 4, 8, 16, 32, 64)]
+    assert all(np.diff(v) > 0)
+    with pytest.raises(CalibrationError):
+        Calibration(FIXTURE.with_name("missing.json"))
+
+
+def test_simulation_is_seeded_and_honest() -> None:
+    cal = Calibration(FIXTURE)
+    specs = workload(cal.types, 20_000, seed=1)
+    a = simulate(StaticPolicy(k=2), cal, specs, seed=4)
+    b = simulate(StaticPolicy(k=2), cal, specs, seed=4)
+    assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.seconds, b.seconds)
+    # simulated goodput agrees with the calibration's analytic expectation within noise
+    expect = np.mean([expected_goodput(cal, s, [2, 2, 2]) for s in specs])
+    assert a.tok_s == pytest.approx(expect, rel=0.03)
+
+
+def test_simulator_is_fast() -> None:
+    cal = Calibration(FIXTURE)
+    specs = workload(cal.types, 100_000, seed=2)
+    t0 = time.perf_counter()
+    res = simulate(StaticPolicy(k=3), cal, specs, seed=0)
+    assert res.rounds.sum() > 50_000
+    assert time.perf_counter() - t0 < 30  # generous: shared CI machines
