@@ -54,7 +54,7 @@ class CostModel:
         decay: multiplier on old aggregates per window of the same (cell, k), for drift.
     """
 
-    def __init__(self, k_max: int, alpha: float = 0.3, refit_every: int = 16, decay: float = 0.999) -> None:
+    def __init__(self, k_max: int, alpha: float = 0.01, refit_every: int = 16, decay: float = 0.999) -> None:
         self.k_max, self.alpha, self.refit_every, self.decay = k_max, alpha, refit_every, decay
         self._agg: dict[str, list[float]] = {}  # "bb|ctx|k" -> [rounds, batch_rows, draft, verify, other]
         self._since_fit = 0

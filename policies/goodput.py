@@ -55,7 +55,7 @@ class GoodputPolicy(Policy):
     def __init__(self, k_max: int = 8, seed: int = 0, objective: str = "goodput", latency_p99_s: float | None = None,
                  switch_margin: float = 0.03, hold_decisions: int = 3, probe_every: int = 50,
                  prior_mean: float = 0.6, bucket_strength: float = 30.0, type_strength: float = 60.0,
-                 version_strength: float = 10.0, acceptance_decay: float = 0.995, ridge_alpha: float = 0.3,
+                 version_strength: float = 10.0, acceptance_decay: float = 0.995, ridge_alpha: float = 0.01,
                  refit_every: int = 16) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
