@@ -13,10 +13,9 @@ have no per-token latency and are skipped).
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from telemetry.records import (
     DEFAULT_BUCKETS,
@@ -119,10 +118,21 @@ def _check_name(name: object, known: set[str]) -> None:
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float] = LATENCY_PERCENTILES) -> list[float]:
-    """Linear-interpolated percentiles (numpy's default); zeros for an empty sample."""
+    """Linear-interpolated percentiles, as ``numpy.percentile``'s default; zeros for an empty sample.
+
+    Pure Python on purpose: windows hold tens of values per key, where numpy's call overhead dominates.
+    """
     if not values:
         return [0.0] * len(qs)
-    return [float(x) for x in np.percentile(np.asarray(values, dtype=np.float64), qs)]
+    xs = sorted(values)
+    last = len(xs) - 1
+    out = []
+    for q in qs:
+        pos = q / 100.0 * last  # numpy "linear": position (n - 1) * q between order statistics
+        lo = int(pos)
+        hi = min(lo + 1, last)
+        out.append(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+    return out
 
 
 def _stat(xs: list[float]) -> Stat:
@@ -143,13 +153,17 @@ def aggregate(rounds: Iterable[RoundRecord], buckets: BucketConfig = DEFAULT_BUC
     cost: dict[CostKey, _CostAcc] = {}
     rejected: dict[str, int] = {}
     known: set[str] = set()
-    ctx_cache: dict[int, str] = {}
+    ctx_edges = buckets.context_edges
+    ctx_labels = buckets.context_labels()  # label i for bisect index i: the smallest edge >= context_len
+    # (target, draft, request type, context bucket index, k, accepted, emitted) -> rows
+    row_counts: dict[tuple[str, str, str, int, int, int, int], int] = {}
+    get_count = row_counts.get
     n = 0
     for r in rounds:
         try:
             check_round(r, known)
-        except RecordError as e:
-            rejected[e.reason] = rejected.get(e.reason, 0) + 1
+        except RecordError as err:
+            rejected[err.reason] = rejected.get(err.reason, 0) + 1
             continue
         n += 1
         tv, dv = r.target_version, r.draft_version
@@ -157,23 +171,17 @@ def aggregate(rounds: Iterable[RoundRecord], buckets: BucketConfig = DEFAULT_BUC
         emitted = 0
         wall = r.draft_s + r.verify_s + r.other_s
         lat: list[float] = []
-        for row in r.rows:
-            cb = ctx_cache.get(row.context_len)
-            if cb is None:
-                cb = ctx_cache[row.context_len] = buckets.context_bucket(row.context_len)
-            key = (tv, dv, row.request_type, cb, row.k)
-            a = acc.get(key)
-            if a is None:
-                a = acc[key] = _AcceptanceAcc(row.k)
-            a.rows += 1
-            a.accepted += row.accepted
-            a.emitted += row.emitted
-            a.hist[row.accepted] += 1
-            emitted += row.emitted
-            max_ctx = max(max_ctx, row.context_len)
-            if row.emitted > 0:
-                lat.append(wall / row.emitted)
-        ckey = (tv, dv, buckets.batch_bucket(r.batch_size), buckets.context_bucket(max_ctx), r.max_k)
+        for row in r.rows:  # the hot loop: one tuple and one dict update per row, folded per key below
+            ctx, e = row.context_len, row.emitted
+            rkey = (tv, dv, row.request_type, bisect_left(ctx_edges, ctx), row.k, row.accepted, e)
+            row_counts[rkey] = get_count(rkey, 0) + 1
+            emitted += e
+            if ctx > max_ctx:
+                max_ctx = ctx
+            if e:
+                lat.append(wall / e)
+        cb = ctx_labels[bisect_left(ctx_edges, max_ctx)]
+        ckey = (tv, dv, buckets.batch_bucket(r.batch_size), cb, r.max_k)
         c = cost.get(ckey)
         if c is None:
             c = cost[ckey] = _CostAcc()
@@ -184,6 +192,15 @@ def aggregate(rounds: Iterable[RoundRecord], buckets: BucketConfig = DEFAULT_BUC
         c.verify.append(r.verify_s)
         c.other.append(r.other_s)
         c.latencies.extend(lat)
+    for (tv, dv, rt, ci, k, accepted, row_emitted), count in row_counts.items():
+        key = (tv, dv, rt, ctx_labels[ci], k)
+        a = acc.get(key)
+        if a is None:
+            a = acc[key] = _AcceptanceAcc(k)
+        a.rows += count
+        a.accepted += accepted * count
+        a.emitted += row_emitted * count
+        a.hist[accepted] += count
     return Aggregate(
         acceptance=tuple(_acceptance_window(key, a) for key, a in sorted(acc.items())),
         cost=tuple(_cost_window(key, c) for key, c in sorted(cost.items())),

@@ -359,7 +359,26 @@ def round_from_dict(d: Any) -> RoundRecord:
 
 
 def window_batch_to_dict(b: WindowBatch) -> dict[str, Any]:
-    return asdict(b)
+    """The batch as plain dicts, equal to ``dataclasses.asdict(b)``, built directly: ``asdict`` deep-copies
+    every field and would be the emitter's largest cost per window."""
+    d = dict(b.__dict__)
+    d["acceptance"] = tuple(dict(a.__dict__) for a in b.acceptance)
+    d["cost"] = tuple(_cost_to_dict(c) for c in b.cost)
+    d["sampled_rounds"] = tuple(_round_to_dict(r) for r in b.sampled_rounds)
+    return d
+
+
+def _cost_to_dict(c: CostWindow) -> dict[str, Any]:
+    d = dict(c.__dict__)
+    for name in ("draft_s", "verify_s", "other_s"):
+        d[name] = dict(getattr(c, name).__dict__)
+    return d
+
+
+def _round_to_dict(r: RoundRecord) -> dict[str, Any]:
+    d = dict(r.__dict__)
+    d["rows"] = tuple(dict(x.__dict__) for x in r.rows)
+    return d
 
 
 def window_batch_from_dict(d: Any) -> WindowBatch:
