@@ -1,0 +1,346 @@
+"""What an engine embeds: the policy lookup (a local copy of the table, microseconds) and the telemetry hook.
+
+:class:`PolicyClient` answers ``decide(request_type, batch_size, context_len) -> k`` from a dictionary held in
+the engine process; no network on the hot path. A background thread keeps that dictionary current:
+
+- it subscribes to ``{prefix}:policy-updates`` (the sidecar PUBLISHes the new version there) and, on a nudge
+  carrying a version newer than its own, GETs ``{prefix}:policy`` (the whole table, written atomically);
+- it also re-reads ``{prefix}:policy`` every ``refresh_s`` in case a nudge was missed (pub/sub is fire-and-forget);
+- a table that fails validation (wrong schema, k outside ``[0, k_max]``, a version older than the one it has) is
+  rejected, counted by reason, and the last good table stays in force;
+- with no sidecar and no Redis at all it answers ``default_k`` (**fail-static**) and says so in :meth:`status`.
+
+In-process (the embedded demo) the sidecar hands tables to :meth:`PolicyClient.apply` directly.
+
+This module must not import torch: third-party engines embed it as is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+from redis.exceptions import RedisError
+
+from telemetry.emitter import Emitter
+from telemetry.records import (
+    DEFAULT_BUCKETS,
+    MAX_DRAFT_LEN,
+    MAX_NAME_LEN,
+    Bucket,
+    BucketConfig,
+    PolicyTable,
+    RecordError,
+    RoundRecord,
+    policy_table_from_json,
+)
+from telemetry.transport import DEFAULT_PREFIX
+
+MIN_REFRESH_S = 0.05  # below this the timer refresh would hammer Redis for nothing
+RECONNECT_MAX_S = 5.0  # cap of the wait between attempts to reach an absent Redis
+SOCKET_TIMEOUT_S = 2.0  # a stuck Redis must not hold the refresh thread for long
+
+
+def policy_key(prefix: str) -> str:
+    """Redis key holding the current table JSON (with its version)."""
+    return f"{prefix}:policy"
+
+
+def updates_channel(prefix: str) -> str:
+    """Redis pub/sub channel carrying each new version number."""
+    return f"{prefix}:policy-updates"
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """One engine's policy client."""
+
+    target_version: str  # the bucket's versions: a model update changes them (see PolicyClient.set_versions)
+    draft_version: str
+    default_k: int = 0  # answer before any table arrives and for buckets the table does not cover (fail-static)
+    k_max: int = 8  # the largest k this engine can run; a table asking for more is rejected whole
+    redis_url: str | None = None  # None: in-process only (tables arrive through apply())
+    prefix: str = DEFAULT_PREFIX  # must match the sidecar's
+    refresh_s: float = 1.0  # timer refresh, the safety net under the pub/sub nudge
+    buckets: BucketConfig = DEFAULT_BUCKETS  # must match the sidecar's
+
+    def __post_init__(self) -> None:
+        for name in ("target_version", "draft_version"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not 0 < len(v) <= MAX_NAME_LEN or "|" in v:
+                raise ValueError(f"ClientConfig.{name} must be 1..{MAX_NAME_LEN} chars without '|', got {v!r}")
+        if not 0 <= self.k_max <= MAX_DRAFT_LEN:
+            raise ValueError(f"ClientConfig.k_max must be in [0, {MAX_DRAFT_LEN}], got {self.k_max}")
+        if not 0 <= self.default_k <= self.k_max:
+            raise ValueError(f"ClientConfig.default_k must be in [0, k_max={self.k_max}], got {self.default_k}")
+        if self.refresh_s < MIN_REFRESH_S:
+            raise ValueError(f"ClientConfig.refresh_s must be >= {MIN_REFRESH_S}, got {self.refresh_s}")
+        if not self.prefix or any(c.isspace() for c in self.prefix):
+            raise ValueError(f"ClientConfig.prefix must be a non-empty word, got {self.prefix!r}")
+
+
+@dataclass(frozen=True)
+class ClientStatus:
+    """What the client runs on, for operators (``fail_static`` True means: no table yet, ``default_k`` in force)."""
+
+    fail_static: bool
+    mode: str  # "fail-static", "following" (Redis) or "embedded" (apply())
+    version: int | None  # version of the table in force
+    connected: bool  # Redis answered on the last attempt (always False in embedded mode)
+    tables_applied: int
+    rejected: dict[str, int]  # tables refused, by reason
+    last_error: str | None  # the latest rejection or connection error, verbatim
+    last_update_at: float | None  # wall-clock seconds when the table in force was applied
+    detail: str  # one sentence saying what is happening
+    versions: tuple[str, str] = field(default=("", ""))  # (target, draft) the lookups are made for
+
+
+def validate_table(table: PolicyTable, k_max: int, current: int | None) -> None:
+    """Refuse a table this engine must not run.
+
+    Raises:
+        RecordError: ``k_above_engine_max`` when it asks for more than ``k_max``; ``stale_version`` when its
+            version is older than ``current``.
+    """
+    worst = max([table.default_k, *table.entries.values()])
+    if worst > k_max:
+        raise RecordError("k_above_engine_max", f"table v{table.version} asks for k={worst} > engine k_max={k_max}")
+    if current is not None and table.version < current:
+        raise RecordError("stale_version", f"table v{table.version} is older than v{current} in force")
+
+
+class PolicyClient:
+    """The engine's local copy of the policy table.
+
+    Args:
+        config: client settings.
+        start: start the Redis refresh thread now (only with ``config.redis_url``).
+    """
+
+    def __init__(self, config: ClientConfig, start: bool = True) -> None:
+        self._cfg = config
+        self._batch_edges = config.buckets.batch_edges
+        self._context_edges = config.buckets.context_edges
+        self._context_labels = config.buckets.context_labels()
+        self._versions = (config.target_version, config.draft_version)
+        self._table: PolicyTable | None = None
+        # (request type, batch-bucket index, context-bucket index) -> k; replaced whole on a new table
+        self._cache: dict[tuple[str, int, int], int] = {}
+        self._lock = threading.Lock()  # serialises table swaps (lookups never take it)
+        self._applied = 0
+        self._rejected: dict[str, int] = {}
+        self._last_error: str | None = None
+        self._last_update: float | None = None
+        self._connected = False
+        self._last_raw: bytes | None = None  # the value of {prefix}:policy last processed
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._redis: redis.Redis | None = None
+        if config.redis_url is not None:
+            try:
+                self._redis = redis.Redis.from_url(config.redis_url, socket_timeout=SOCKET_TIMEOUT_S,
+                                                   socket_connect_timeout=SOCKET_TIMEOUT_S / 2)
+            except ValueError as e:
+                raise ValueError(f"ClientConfig.redis_url is not a Redis URL: {e}") from e
+            if start:
+                self._thread = threading.Thread(target=self._follow, name="spectune-policy-client", daemon=True)
+                self._thread.start()
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._cfg
+
+    # ------------------------------------------------------------------------------------------ hot path
+    def decide(self, request_type: str, batch_size: int, context_len: int) -> int:
+        """k for a row (0 = speculation off): a dictionary lookup, computed once per bucket and table."""
+        bi = bisect.bisect_left(self._batch_edges, batch_size)
+        ci = bisect.bisect_left(self._context_edges, context_len)
+        cache = self._cache  # one read: a concurrent swap replaces the dict, never mutates the one we hold
+        k = cache.get((request_type, bi, ci))
+        if k is None:
+            k = self._resolve(cache, request_type, bi, ci)
+        return k
+
+    def _resolve(self, cache: dict[tuple[str, int, int], int], request_type: str, bi: int, ci: int) -> int:
+        table = self._table
+        if table is None:
+            k = self._cfg.default_k
+        else:
+            edges = self._batch_edges
+            bucket = Bucket(self._versions[0], self._versions[1], request_type, edges[min(bi, len(edges) - 1)],
+                            self._context_labels[ci])
+            k = table.lookup(bucket)
+        cache[(request_type, bi, ci)] = k
+        return k
+
+    # ---------------------------------------------------------------------------------------- updates
+    def set_versions(self, target_version: str, draft_version: str) -> None:
+        """The engine swapped a model: look buckets up under the new versions from now on."""
+        with self._lock:
+            self._versions = (target_version, draft_version)
+            self._cache = {}
+
+    def apply(self, table: PolicyTable) -> bool:
+        """Install ``table`` if it is valid and not older than the one in force.
+
+        Returns:
+            True when installed (or already in force); False when rejected (counted, the last good one stays).
+        """
+        with self._lock:
+            try:
+                validate_table(table, self._cfg.k_max, self._table.version if self._table else None)
+            except RecordError as e:
+                self._reject(e.reason, str(e))
+                return False
+            if self._table is not None and table.version == self._table.version:
+                return True
+            self._table = table
+            self._cache = {}
+            self._applied += 1
+            self._last_update = time.time()
+            return True
+
+    def apply_json(self, text: str | bytes) -> bool:
+        """Parse, validate and install a table as it travels (JSON with its version)."""
+        try:
+            table = policy_table_from_json(text)
+        except RecordError as e:
+            with self._lock:
+                self._reject(e.reason, str(e))
+            return False
+        except Exception as e:  # a parser gap must not kill the refresh thread: reject, count, keep the last table
+            with self._lock:
+                self._reject("malformed", f"policy table rejected: {type(e).__name__}: {e}")
+            return False
+        return self.apply(table)
+
+    def _reject(self, reason: str, detail: str) -> None:
+        self._rejected[reason] = self._rejected.get(reason, 0) + 1
+        self._last_error = detail
+
+    @property
+    def version(self) -> int | None:
+        t = self._table
+        return t.version if t is not None else None
+
+    @property
+    def table(self) -> PolicyTable | None:
+        return self._table
+
+    # ------------------------------------------------------------------------------------- Redis thread
+    def refresh(self) -> bool:
+        """Read ``{prefix}:policy`` once and apply it. Returns False when Redis could not be read."""
+        if self._redis is None:
+            return False
+        try:
+            raw = self._redis.get(policy_key(self._cfg.prefix))
+        except (RedisError, OSError) as e:
+            self._connected = False
+            self._last_error = f"Redis unreachable: {e}"
+            return False
+        self._connected = True
+        if raw is not None and raw != self._last_raw:  # the same bytes again: already applied or rejected once
+            self._last_raw = raw  # type: ignore[assignment]
+            self.apply_json(raw)  # type: ignore[arg-type]
+        return True
+
+    def _follow(self) -> None:
+        """Subscribe to the nudge channel and refresh on every newer version, or every ``refresh_s``."""
+        assert self._redis is not None
+        wait = MIN_REFRESH_S
+        while not self._stop.is_set():
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(updates_channel(self._cfg.prefix))
+                self.refresh()  # after subscribing: a version published meanwhile is either read now or nudged
+                wait = MIN_REFRESH_S
+                next_timer = time.monotonic() + self._cfg.refresh_s
+                while not self._stop.is_set():
+                    msg = pubsub.get_message(timeout=min(self._cfg.refresh_s, 0.5))
+                    nudged = msg is not None and msg.get("type") == "message" and self._newer(msg.get("data"))
+                    if nudged or time.monotonic() >= next_timer:
+                        self.refresh()
+                        next_timer = time.monotonic() + self._cfg.refresh_s
+            except (RedisError, OSError) as e:
+                self._connected = False
+                self._last_error = f"Redis unreachable: {e}"
+                self._stop.wait(wait)
+                wait = min(RECONNECT_MAX_S, wait * 2)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    pubsub.close()
+
+    def _newer(self, data: object) -> bool:
+        try:
+            v = int(data)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            return True  # an unreadable nudge still means "something changed": read the table and validate it
+        cur = self.version
+        return cur is None or v > cur
+
+    def close(self) -> None:
+        """Stop the refresh thread and release the connection (the table in force stays usable)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(SOCKET_TIMEOUT_S * 2)
+        if self._redis is not None:
+            self._redis.close()
+
+    def __enter__(self) -> PolicyClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------- status
+    def status(self) -> ClientStatus:
+        t = self._table
+        embedded = self._cfg.redis_url is None
+        if t is None:
+            mode = "fail-static"
+            where = "no sidecar configured" if embedded else (
+                "Redis unreachable" if not self._connected else "no policy published yet")
+            detail = f"fail-static: {where}; every decision is default_k={self._cfg.default_k}"
+        else:
+            mode = "embedded" if embedded else "following"
+            detail = f"policy v{t.version} in force ({len(t.entries)} buckets, default_k={t.default_k})"
+            if not embedded and not self._connected:
+                detail += "; Redis unreachable, keeping the last good table"
+        return ClientStatus(
+            fail_static=t is None, mode=mode, version=t.version if t else None, connected=self._connected,
+            tables_applied=self._applied, rejected=dict(self._rejected), last_error=self._last_error,
+            last_update_at=self._last_update, detail=detail, versions=self._versions,
+        )
+
+
+class EngineHooks:
+    """The two calls an engine makes: ``decide`` before a round, ``record`` after it.
+
+    Args:
+        client: the policy client (decisions).
+        emitter: the telemetry emitter (round records -> windows); None to decide without reporting.
+    """
+
+    def __init__(self, client: PolicyClient, emitter: Emitter | None) -> None:
+        self.client = client
+        self.emitter = emitter
+        self.decide = client.decide  # bound once: the engine's hot path calls it per row per round
+        self._versions = client.status().versions
+
+    def record(self, round_: RoundRecord) -> None:
+        """Ship a round; a round under new model versions switches the lookups to them."""
+        if (round_.target_version, round_.draft_version) != self._versions:
+            self._versions = (round_.target_version, round_.draft_version)
+            self.client.set_versions(*self._versions)
+        if self.emitter is not None:
+            self.emitter.record(round_)
+
+    def close(self) -> None:
+        """Flush telemetry, then stop following the policy."""
+        if self.emitter is not None:
+            self.emitter.close()
+        self.client.close()

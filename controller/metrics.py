@@ -1,0 +1,125 @@
+"""The sidecar's Prometheus metrics, defined once, on a registry of their own.
+
+Each :class:`SidecarMetrics` owns a fresh :class:`~prometheus_client.CollectorRegistry` (never the global one), so
+a test or a benchmark can run several sidecars in one process and each ``GET /metrics`` shows only its own.
+
+Spec-decode series are named after vLLM's ``vllm:spec_decode_*`` counters so its Grafana panels carry over with a
+prefix change (``vllm:`` -> ``spectune_``), with the same conventions:
+
+- ``spectune_spec_decode_num_drafts_total``: rows that drafted (k > 0), one per row per round (vLLM: one per
+  sequence per step with a draft).
+- ``spectune_spec_decode_num_draft_tokens_total``: draft tokens proposed (sum of k over those rows).
+- ``spectune_spec_decode_num_accepted_tokens_total``: draft tokens the target kept; **excludes** the bonus token,
+  as vLLM's counter does.
+- ``spectune_spec_decode_num_accepted_tokens_per_pos_total{position=i}``: rows whose draft token at 0-based
+  position ``i`` was kept (the acceptance curve, unnormalised).
+- ``spectune_mean_acceptance_length``: emitted tokens per drafting row, **including** the bonus token (vLLM's
+  "mean acceptance length" = 1 + accepted / drafts), cumulative per bucket.
+
+Labels are the acceptance bucket: ``target_version``, ``draft_version``, ``request_type``, ``context_bucket``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from telemetry.records import AcceptanceWindow, Bucket
+
+ACCEPTANCE_LABELS = ("target_version", "draft_version", "request_type", "context_bucket")
+BUCKET_LABELS = ("target_version", "draft_version", "request_type", "batch_bucket", "context_bucket")
+# Decision latency spans a dict lookup (cached) to a full table recompute (tens of ms for many buckets).
+DECISION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class SidecarMetrics:
+    """Every series one sidecar exports. Consumers call the ``on_*`` methods; nothing else touches the series.
+
+    Args:
+        registry: where to register; a fresh private registry by default.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.windows_ingested = Counter(
+            "spectune_windows_ingested", "Window batches newly stored (redeliveries excluded).", registry=r)
+        self.windows_observed = Counter(
+            "spectune_windows_observed", "Acceptance and cost windows fed to the policy.", ["kind"], registry=r)
+        self.records_rejected = Counter(
+            "spectune_records_rejected", "Entries or windows rejected, by reason (kept in the dead-letter stream).",
+            ["reason"], registry=r)
+        self.policy_version = Gauge("spectune_policy_version", "Version of the policy table last published.",
+                                    registry=r)
+        self.policy_publishes = Counter("spectune_policy_publishes", "Policy versions published.", registry=r)
+        self.chosen_k = Gauge("spectune_chosen_k", "k in the published policy table, per bucket (0 = off).",
+                              list(BUCKET_LABELS), registry=r)
+        self.num_drafts = Counter(
+            "spectune_spec_decode_num_drafts", "Rows that drafted (k > 0), one per row per round.",
+            list(ACCEPTANCE_LABELS), registry=r)
+        self.num_draft_tokens = Counter(
+            "spectune_spec_decode_num_draft_tokens", "Draft tokens proposed.", list(ACCEPTANCE_LABELS), registry=r)
+        self.num_accepted_tokens = Counter(
+            "spectune_spec_decode_num_accepted_tokens", "Draft tokens accepted (bonus token excluded, as vLLM).",
+            list(ACCEPTANCE_LABELS), registry=r)
+        self.num_accepted_tokens_per_pos = Counter(
+            "spectune_spec_decode_num_accepted_tokens_per_pos", "Rows whose draft at 0-based position was kept.",
+            [*ACCEPTANCE_LABELS, "position"], registry=r)
+        self.acceptance_rate = Gauge(
+            "spectune_acceptance_rate", "Accepted / drafted tokens, cumulative per bucket.",
+            list(ACCEPTANCE_LABELS), registry=r)
+        self.mean_acceptance_length = Gauge(
+            "spectune_mean_acceptance_length", "Emitted tokens per drafting row (bonus token included).",
+            list(ACCEPTANCE_LABELS), registry=r)
+        self.decision_seconds = Histogram(
+            "spectune_decision_seconds", "Seconds to compute a policy table from the policy.",
+            buckets=DECISION_BUCKETS_S, registry=r)
+        self.http_bad_requests = Counter(
+            "spectune_http_bad_requests", "Operator HTTP requests refused with 400, by reason.", ["reason"],
+            registry=r)
+        # label tuple -> [rows that drafted, drafted, accepted, emitted]: the gauges are ratios of these totals
+        self._totals: dict[tuple[str, ...], list[int]] = {}
+
+    def on_acceptance(self, w: AcceptanceWindow) -> None:
+        """Count one acceptance window into the spec-decode series (speculation-off windows count no drafts)."""
+        self.windows_observed.labels("acceptance").inc()
+        if w.k == 0 or w.rows == 0:
+            return
+        labels = (w.target_version, w.draft_version, w.request_type, w.context_bucket)
+        self.num_drafts.labels(*labels).inc(w.rows)
+        self.num_draft_tokens.labels(*labels).inc(w.drafted)
+        self.num_accepted_tokens.labels(*labels).inc(w.accepted)
+        tail = 0
+        for i in range(w.k, 0, -1):  # rows with accepted >= i kept the draft at position i - 1
+            tail += w.hist[i]
+            if tail:
+                self.num_accepted_tokens_per_pos.labels(*labels, str(i - 1)).inc(tail)
+        t = self._totals.setdefault(labels, [0, 0, 0, 0])
+        t[0] += w.rows
+        t[1] += w.drafted
+        t[2] += w.accepted
+        t[3] += w.emitted
+        self.acceptance_rate.labels(*labels).set(t[2] / t[1] if t[1] else 0.0)
+        self.mean_acceptance_length.labels(*labels).set(t[3] / t[0])
+
+    def on_cost(self) -> None:
+        self.windows_observed.labels("cost").inc()
+
+    def on_rejected(self, reason: str, n: int = 1) -> None:
+        if n > 0:
+            self.records_rejected.labels(reason).inc(n)
+
+    def on_published(self, version: int, entries: dict[str, int]) -> None:
+        """A new table went out: its version, and k per exact bucket (wildcard keys are not exported)."""
+        self.policy_publishes.inc()
+        self.policy_version.set(version)
+        self.chosen_k.clear()  # buckets absent from the new table must not linger with an old k
+        for key, k in entries.items():
+            if "*" in key.split("|"):
+                continue
+            b = Bucket.from_key(key)
+            self.chosen_k.labels(b.target_version, b.draft_version, b.request_type, str(b.batch_bucket),
+                                 b.context_bucket).set(k)
+
+    def exposition(self) -> bytes:
+        """The text exposition format of this registry (what ``GET /metrics`` serves)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,132 @@
+"""Where the sidecar's policy tables go: Redis (production) or a callback (the embedded demo and tests).
+
+Redis: the whole table JSON (with its version) is one value at ``{prefix}:policy``; the version is PUBLISHed on
+``{prefix}:policy-updates``. Both happen in one Lua script, so they are atomic together, and the script writes
+only when the new version is higher than the stored one: two sidecars sharing the consumer group can never move
+the engines' table backwards.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import redis
+from redis.exceptions import RedisError
+
+from controller.client import policy_key, updates_channel
+from telemetry.errors import TransportError
+from telemetry.records import PolicyTable, RecordError, policy_table_from_json
+from telemetry.transport import DEFAULT_PREFIX, _hide_password
+
+# KEYS[1] = table key, KEYS[2] = channel; ARGV[1] = table JSON, ARGV[2] = its version.
+# Returns 1 when written and published, 0 when the stored version is already >= ARGV[2].
+_CAS_SCRIPT = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local ok, t = pcall(cjson.decode, cur)
+  if ok and type(t) == 'table' and tonumber(t['version']) and tonumber(t['version']) >= tonumber(ARGV[2]) then
+    return 0
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('PUBLISH', KEYS[2], ARGV[2])
+return 1
+"""
+SOCKET_TIMEOUT_S = 2.0
+
+
+class Publisher(ABC):
+    """Delivers policy tables to the engines."""
+
+    @abstractmethod
+    def publish(self, table: PolicyTable, force: bool = False) -> bool:
+        """Deliver ``table``. Returns False when a table of the same or a newer version is already there.
+
+        ``force`` overwrites whatever is there (used when what is there is not a valid table at all).
+
+        Raises:
+            TransportError: the table could not be delivered (retry later).
+        """
+
+    @abstractmethod
+    def current(self) -> PolicyTable | None:
+        """The table engines see now (None when there is none, or it cannot be read as a table)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+
+class CallbackPublisher(Publisher):
+    """Hands each table to ``callback`` in-process (e.g. ``PolicyClient.apply``); keeps the newest."""
+
+    def __init__(self, callback: Callable[[PolicyTable], object] | None = None) -> None:
+        self._callbacks: list[Callable[[PolicyTable], object]] = [callback] if callback else []
+        self._current: PolicyTable | None = None
+        self._lock = threading.Lock()
+
+    def subscribe(self, callback: Callable[[PolicyTable], object]) -> None:
+        """Add a receiver (another embedded engine); it gets the current table at once."""
+        with self._lock:
+            self._callbacks.append(callback)
+            cur = self._current
+        if cur is not None:
+            callback(cur)
+
+    def publish(self, table: PolicyTable, force: bool = False) -> bool:
+        with self._lock:
+            if not force and self._current is not None and self._current.version >= table.version:
+                return False
+            self._current = table
+            callbacks = list(self._callbacks)
+        for cb in callbacks:
+            cb(table)
+        return True
+
+    def current(self) -> PolicyTable | None:
+        return self._current
+
+
+class RedisPublisher(Publisher):
+    """Writes ``{prefix}:policy`` and PUBLISHes on ``{prefix}:policy-updates``, atomically, version-monotonic."""
+
+    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX) -> None:
+        self._shown = _hide_password(url)
+        try:
+            self._r = redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
+                                           socket_connect_timeout=SOCKET_TIMEOUT_S / 2)
+        except ValueError as e:
+            raise TransportError(f"bad Redis URL {self._shown}: {e}") from e
+        self.key, self.channel = policy_key(prefix), updates_channel(prefix)
+        self._script = self._r.register_script(_CAS_SCRIPT)
+
+    def publish(self, table: PolicyTable, force: bool = False) -> bool:
+        try:
+            if force:
+                pipe = self._r.pipeline(transaction=True)  # MULTI: the value and the nudge together
+                pipe.set(self.key, table.to_json())
+                pipe.publish(self.channel, table.version)
+                pipe.execute()
+                return True
+            return bool(self._script(keys=[self.key, self.channel], args=[table.to_json(), table.version]))
+        except (RedisError, OSError) as e:
+            raise TransportError(
+                f"publishing policy v{table.version} to Redis at {self._shown} failed: {e}; "
+                "check that Redis is running; the sidecar retries on its next tick"
+            ) from e
+
+    def current(self) -> PolicyTable | None:
+        try:
+            raw = self._r.get(self.key)
+        except (RedisError, OSError) as e:
+            raise TransportError(f"reading {self.key} from Redis at {self._shown} failed: {e}") from e
+        if raw is None:
+            return None
+        try:
+            return policy_table_from_json(raw)  # type: ignore[arg-type]
+        except RecordError:
+            return None  # garbage there: our next publish overwrites it
+
+    def close(self) -> None:
+        self._r.close()

@@ -1,0 +1,444 @@
+"""The sidecar: consume window batches, store them, feed the policy, publish a new policy version on change.
+
+One loop (:meth:`Sidecar.step`, run on a thread or as the ``spectune sidecar`` process):
+
+1. :meth:`telemetry.ingest.Consumer.step` reads a batch of entries from the transport, dead-letters invalid ones
+   with their reason, stores the valid ones idempotently and returns only the new ones;
+2. each acceptance and cost window of those goes to ``policy.observe`` (a window the policy refuses is counted
+   by reason, never fatal) and to the Prometheus series;
+3. every ``publish_every_windows`` windows or ``publish_every_s`` seconds the sidecar asks the policy for k in
+   every bucket seen (versions x request types x batch buckets x context buckets), applies the operators' pins
+   (a pin overrides the policy), and when any k changed stores a new :class:`~telemetry.records.PolicyTable`
+   version in SQL with the reason, then publishes it (Redis, or an in-process callback).
+
+Restart: the consumer group redelivers what was not acknowledged (stores ingest each ``(engine_id, seq)`` once);
+the version counter continues from the latest stored version; the policy is warmed by replaying the newest
+stored windows, so a restarted sidecar does not fall back to its priors. Several sidecars may share the
+consumer group: each learns from its share plus the replayed history, and the publisher never lets the
+engines' table go backwards in version.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter as Tally
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from controller.metrics import SidecarMetrics
+from controller.publish import Publisher
+from policies.base import Decision, Policy
+from telemetry.errors import SpectuneError, StoreError, TransportError
+from telemetry.ingest import Consumer, ConsumerConfig
+from telemetry.records import (
+    MAX_DRAFT_LEN,
+    WILDCARD,
+    AcceptanceWindow,
+    Bucket,
+    CostWindow,
+    PolicyTable,
+    RecordError,
+    WindowBatch,
+)
+from telemetry.schema import AcceptanceWindowRow, CostWindowRow
+from telemetry.store import Pin, Store
+from telemetry.transport import Transport
+
+REASON_MAX = 500  # PolicyTable.reason is cut here on the wire
+HISTORY_KEEP = 1000  # decisions kept in memory for the demo and the HTTP endpoint
+ERROR_BACKOFF_S = 0.5  # pause after an unexpected error, so a persistent fault is not a busy loop
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """How often the sidecar decides, and what it replays at start-up."""
+
+    publish_every_windows: int = 16  # decide after this many new windows ...
+    publish_every_s: float = 1.0  # ... or this many seconds (also how soon a pin made in SQL takes effect)
+    warm_start_windows: int = 20_000  # newest stored windows replayed into the policy at start-up (0 = cold)
+    max_table_buckets: int = 4096  # cap on exact entries in a table (versions x types x batch x context)
+    consumer: ConsumerConfig = field(default_factory=ConsumerConfig)
+
+    def __post_init__(self) -> None:
+        if self.publish_every_windows < 1:
+            raise ValueError(f"SidecarConfig.publish_every_windows must be >= 1, got {self.publish_every_windows}")
+        if self.publish_every_s <= 0:
+            raise ValueError(f"SidecarConfig.publish_every_s must be > 0, got {self.publish_every_s}")
+        if self.warm_start_windows < 0 or self.max_table_buckets < 1:
+            raise ValueError("SidecarConfig needs warm_start_windows >= 0 and max_table_buckets >= 1")
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    """One published table and the decisions behind it (what the demo and operators look at)."""
+
+    table: PolicyTable
+    decisions: dict[str, Decision]  # exact bucket key -> the policy's decision (before pins)
+    at: float  # wall-clock seconds
+
+
+@dataclass
+class _Seen:
+    types: set[str] = field(default_factory=set)
+    batch: set[int] = field(default_factory=set)
+    context: set[str] = field(default_factory=set)
+
+
+def pin_matches(pin_key: str, bucket_key: str) -> bool:
+    """True when every part of the pin equals the bucket's or is ``*``."""
+    return all(p in (WILDCARD, b) for p, b in zip(pin_key.split("|"), bucket_key.split("|"), strict=True))
+
+
+def apply_pins(entries: dict[str, int], pins: Iterable[Pin]) -> dict[str, int]:
+    """Pins override the policy: each entry takes the k of the most specific matching pin (newest on a tie);
+    each pin's own key is added so buckets the table does not list fall back to it."""
+    pins = list(pins)
+    out = dict(entries)
+    for key in entries:
+        best: tuple[int, int] | None = None
+        for i, p in enumerate(pins):
+            if pin_matches(p.bucket_key, key):
+                rank = (sum(part != WILDCARD for part in p.bucket_key.split("|")), i)
+                if best is None or rank > best:
+                    best = rank
+                    out[key] = p.k
+    for p in pins:
+        out[p.bucket_key] = p.k
+    return out
+
+
+class Sidecar:
+    """Learns k per bucket from the engines' windows and publishes versioned policy tables.
+
+    Args:
+        config: timing and start-up settings.
+        transport: the sidecar side of the windows transport (Redis Streams or in-process).
+        store: the SQL store (windows, policy versions, pins).
+        policy: the learning policy (``goodput`` in production).
+        publisher: where tables go (Redis or a callback).
+        metrics: the Prometheus series (a fresh private registry by default).
+    """
+
+    def __init__(self, config: SidecarConfig, transport: Transport, store: Store, policy: Policy,
+                 publisher: Publisher, metrics: SidecarMetrics | None = None) -> None:
+        self.config = config
+        self.transport = transport
+        self.store = store
+        self.policy = policy
+        self.publisher = publisher
+        self.metrics = metrics or SidecarMetrics()
+        self._consumer = Consumer(transport, store, config.consumer)
+        self._lock = threading.RLock()  # the policy and the version counter (loop thread vs HTTP threads)
+        self._seen: dict[tuple[str, str], _Seen] = {}
+        self._version = 0
+        self._current: PolicyTable | None = None
+        self._unpublished: PolicyTable | None = None  # stored but not yet delivered (publisher was down)
+        self._since_decide = 0
+        self._next_tick = 0.0
+        self._consumer_rejected: dict[str, int] = {}
+        self.history: list[PublishedVersion] = []
+        self.windows_ingested = 0
+        self.windows_observed = 0
+        self.rejected: dict[str, int] = {}
+        self.errors = 0
+        self.last_error: str | None = None
+        self.started_at = time.time()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._resume()
+
+    # --------------------------------------------------------------------------------------- start-up
+    def _resume(self) -> None:
+        """Continue the version counter, re-deliver the latest table, warm the policy from stored windows."""
+        latest = self.store.latest_policy_version()
+        if latest is not None:
+            self._version, self._current = latest.version, latest
+        try:
+            there = self.publisher.current()
+            if there is not None and there.version > self._version:
+                self._version = there.version  # another sidecar got further; continue above it
+            if latest is not None and (there is None or there.version < latest.version):
+                self.publisher.publish(latest)  # e.g. Redis was flushed: engines get the last table back
+        except TransportError as e:
+            self._error(e)
+        if self.config.warm_start_windows:
+            self._replay(self.config.warm_start_windows)
+
+    def _replay(self, n: int) -> None:
+        try:
+            with self.store.session() as s:
+                top_a = s.scalar(select(func.max(AcceptanceWindowRow.id))) or 0
+                top_c = s.scalar(select(func.max(CostWindowRow.id))) or 0
+            acc = self.store.acceptance_windows(since_id=max(0, top_a - n))
+            cost = self.store.cost_windows(since_id=max(0, top_c - n))
+        except (SQLAlchemyError, StoreError) as e:
+            self._error(e)
+            return
+        windows: list[tuple[float, AcceptanceWindow | CostWindow]] = [(w.window_end, w.window) for w in acc]
+        windows += [(w.window_end, w.window) for w in cost]
+        windows.sort(key=lambda x: x[0])
+        with self._lock:
+            for _, w in windows:
+                self._observe_window(w, count_metrics=False)
+
+    # ------------------------------------------------------------------------------------------- loop
+    def step(self) -> int:
+        """One ingestion step, then a decision if one is due. Returns the number of new window batches."""
+        batches = self._consumer.step()
+        self._sync_consumer_rejections()
+        with self._lock:
+            for b in batches:
+                self._observe_batch(b)
+        self.windows_ingested += len(batches)
+        if batches:
+            self.metrics.windows_ingested.inc(len(batches))
+        now = time.monotonic()
+        if self._since_decide >= self.config.publish_every_windows or now >= self._next_tick:
+            self.publish_if_changed("learned")
+        return len(batches)
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Step until ``stop`` (or :meth:`stop`) is set. Never raises: errors are counted and kept."""
+        stop = stop or self._stop
+        while not stop.is_set():
+            try:
+                self.step()
+            except Exception as e:  # the loop must outlive any surprise; the error is visible in health()
+                self._error(e)
+                stop.wait(ERROR_BACKOFF_S)
+
+    def start(self) -> threading.Thread:
+        """Run the loop on a daemon thread (the embedded mode)."""
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name="spectune-sidecar", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def drain(self, idle_steps: int = 2, max_steps: int = 1000) -> int:
+        """Step until ``idle_steps`` consecutive steps bring nothing new; returns the batches ingested."""
+        total, idle = 0, 0
+        for _ in range(max_steps):
+            n = self.step()
+            total += n
+            idle = idle + 1 if n == 0 else 0
+            if idle >= idle_steps:
+                break
+        return total
+
+    # ---------------------------------------------------------------------------------------- learning
+    def _observe_batch(self, b: WindowBatch) -> None:
+        for a in b.acceptance:
+            self._observe_window(a)
+        for c in b.cost:
+            self._observe_window(c)
+        if b.dropped_before:
+            self._count_rejected("engine_dropped_windows", b.dropped_before)
+
+    def _observe_window(self, w: AcceptanceWindow | CostWindow, count_metrics: bool = True) -> None:
+        try:
+            self.policy.observe(w)
+        except RecordError as e:
+            self._count_rejected(e.reason)
+            return
+        s = self._seen.setdefault((w.target_version, w.draft_version), _Seen())
+        if isinstance(w, AcceptanceWindow):
+            s.types.add(w.request_type)
+            s.context.add(w.context_bucket)
+            if count_metrics:
+                self.metrics.on_acceptance(w)
+        else:
+            s.batch.add(w.batch_bucket)
+            s.context.add(w.context_bucket)
+            if count_metrics:
+                self.metrics.on_cost()
+        self._since_decide += 1
+        self.windows_observed += 1
+
+    def _count_rejected(self, reason: str, n: int = 1) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + n
+        self.metrics.on_rejected(reason, n)
+
+    def _sync_consumer_rejections(self) -> None:
+        now = self._consumer.stats().rejected
+        for reason, n in now.items():
+            delta = n - self._consumer_rejected.get(reason, 0)
+            if delta > 0:
+                self._count_rejected(reason, delta)
+        self._consumer_rejected = now
+
+    def buckets(self) -> list[Bucket]:
+        """Every bucket seen: per version pair, request types x batch buckets x context buckets."""
+        all_batch = {bb for s in self._seen.values() for bb in s.batch}
+        out: list[Bucket] = []
+        for (t, d), s in sorted(self._seen.items()):
+            for rt in sorted(s.types):
+                for bb in sorted(s.batch or all_batch):
+                    for cb in sorted(s.context):
+                        out.append(Bucket(t, d, rt, bb, cb))
+        return out[: self.config.max_table_buckets]
+
+    # --------------------------------------------------------------------------------------- deciding
+    def publish_if_changed(self, trigger: str) -> PolicyTable | None:
+        """Decide every bucket, apply pins, and publish a new version if anything changed.
+
+        Args:
+            trigger: why this decision was taken (``learned``, ``pin ...``), kept in the version's reason.
+
+        Returns:
+            The new table, or None when nothing changed (or it could not be stored).
+        """
+        with self._lock:
+            self._since_decide = 0
+            self._next_tick = time.monotonic() + self.config.publish_every_s
+            self._retry_unpublished()
+            buckets = self.buckets()
+            t0 = time.perf_counter()
+            try:
+                decisions = {b.key(): self.policy.decide(b) for b in buckets}
+            except Exception as e:  # a policy bug must not take the sidecar down; the last table stays
+                self._count_rejected("policy_error")
+                self._error(e)
+                return None
+            self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+            try:
+                pins = self.store.active_pins()
+            except (SQLAlchemyError, StoreError) as e:
+                self._error(e)
+                return None
+            learned = {key: d.k for key, d in decisions.items()}
+            entries = apply_pins(learned, pins)
+            if not entries:
+                return None  # nothing seen yet: engines stay on their default
+            default_k = _most_common(learned.values(), self._current.default_k if self._current else 0)
+            cur = self._current
+            if cur is not None and cur.entries == entries and cur.default_k == default_k:
+                return None
+            reason = _describe(cur, entries, default_k, pins, trigger)
+            return self._store_and_publish(entries, default_k, reason, decisions)
+
+    def _store_and_publish(self, entries: dict[str, int], default_k: int, reason: str,
+                           decisions: dict[str, Decision]) -> PolicyTable | None:
+        table: PolicyTable | None = None
+        for _attempt in range(3):  # another sidecar may have taken the next version number meanwhile
+            table = PolicyTable(version=self._version + 1, default_k=default_k, k_max=self.policy.k_max,
+                                entries=entries, created_at=time.time(), reason=reason[:REASON_MAX])
+            try:
+                self.store.save_policy_version(table)
+                break
+            except StoreError as e:
+                latest = _safe_latest(self.store)
+                if latest is None or latest.version <= self._version:
+                    self._error(e)
+                    return None
+                self._version = latest.version
+            except SQLAlchemyError as e:
+                self._error(e)
+                return None
+        else:
+            return None
+        assert table is not None
+        self._version, self._current = table.version, table
+        self.metrics.on_published(table.version, table.entries)
+        self.history.append(PublishedVersion(table, decisions, time.time()))
+        del self.history[:-HISTORY_KEEP]
+        self._unpublished = table
+        self._retry_unpublished()
+        return table
+
+    def _retry_unpublished(self) -> None:
+        t = self._unpublished
+        if t is None:
+            return
+        try:
+            if not self.publisher.publish(t):
+                there = self.publisher.current()
+                if there is None:  # not a valid table there (junk written by hand): overwrite it
+                    self.publisher.publish(t, force=True)
+                elif there.version > self._version:
+                    self._version = there.version  # a peer sidecar is ahead: our next version goes above it
+            self._unpublished = None
+        except TransportError as e:
+            self._error(e)
+
+    def publish_now(self, trigger: str) -> PolicyTable | None:
+        """Decide and publish at once (after a pin change); returns the new table or None if unchanged."""
+        return self.publish_if_changed(trigger)
+
+    # ----------------------------------------------------------------------------------------- status
+    @property
+    def current(self) -> PolicyTable | None:
+        return self._current
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _error(self, e: BaseException) -> None:
+        self.errors += 1
+        self.last_error = f"{type(e).__name__}: {e}" if not isinstance(e, SpectuneError) else str(e)
+
+    def health(self) -> dict[str, Any]:
+        """A JSON-safe summary for ``GET /health`` and the CLI."""
+        cs = self._consumer.stats()
+        return {
+            "status": "ok" if cs.transport_failures == 0 and cs.store_failures == 0 else "degraded",
+            "policy": self.policy.name,
+            "policy_version": self._version,
+            "windows_ingested": self.windows_ingested,
+            "windows_observed": self.windows_observed,
+            "duplicates_skipped": cs.duplicates,
+            "claimed_from_dead_consumers": cs.claimed,
+            "rejected": dict(self.rejected),
+            "transport_failures": cs.transport_failures,
+            "store_failures": cs.store_failures,
+            "errors": self.errors,
+            "last_error": self.last_error or cs.last_error,
+            "unpublished_version": self._unpublished.version if self._unpublished else None,
+            "uptime_s": round(time.time() - self.started_at, 3),
+        }
+
+
+def _most_common(ks: Iterable[int], fallback: int) -> int:
+    tally = Tally(ks)
+    if not tally:
+        return min(max(fallback, 0), MAX_DRAFT_LEN)
+    return max(tally, key=lambda k: (tally[k], -k))  # ties go to the smaller k (the cheaper mistake)
+
+
+def _safe_latest(store: Store) -> PolicyTable | None:
+    try:
+        return store.latest_policy_version()
+    except (SQLAlchemyError, SpectuneError):
+        return None
+
+
+def _describe(cur: PolicyTable | None, entries: dict[str, int], default_k: int, pins: list[Pin],
+              trigger: str) -> str:
+    """What changed, in a line an operator can read (``k 2->0 in 3 buckets``...)."""
+    if cur is None:
+        return f"{trigger}: first table, {len(entries)} buckets, default k={default_k}"
+    moves: Tally[tuple[int, int]] = Tally()
+    for key, k in entries.items():
+        old = cur.entries.get(key)
+        if old != k:
+            moves[(-1 if old is None else old, k)] += 1
+    removed = sum(1 for key in cur.entries if key not in entries)
+    parts = [f"k {'new' if a < 0 else a}->{b} in {n} bucket{'s' if n > 1 else ''}"
+             for (a, b), n in moves.most_common(6)]
+    if removed:
+        parts.append(f"{removed} buckets removed")
+    if default_k != cur.default_k:
+        parts.append(f"default k {cur.default_k}->{default_k}")
+    if pins:
+        parts.append(f"{len(pins)} pin{'s' if len(pins) > 1 else ''} in force")
+    return f"{trigger}: " + ("; ".join(parts) or "no change")

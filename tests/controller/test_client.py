@@ -1,0 +1,137 @@
+"""PolicyClient: lookups, validation, fail-static, following Redis; it never imports torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from controller.client import ClientConfig, EngineHooks, PolicyClient, policy_key, updates_channel
+from controller.publish import RedisPublisher
+from telemetry.records import PolicyTable, RoundRecord, RowRecord
+
+V1, V2, D = "target-v1", "target-v2", "draft-v1"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def table(version: int, entries: dict[str, int] | None = None, default_k: int = 3, k_max: int = 8) -> PolicyTable:
+    return PolicyTable(version=version, default_k=default_k, k_max=k_max, entries=entries or {}, created_at=1.0)
+
+
+def wait_for(cond, timeout_s: float = 3.0) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+def test_fail_static_without_any_sidecar() -> None:
+    c = PolicyClient(ClientConfig(V1, D, default_k=2))
+    assert c.decide("code", 8, 100) == 2
+    st = c.status()
+    assert st.fail_static and st.mode == "fail-static" and "default_k=2" in st.detail
+
+
+def test_fail_static_when_redis_is_unreachable() -> None:
+    with PolicyClient(ClientConfig(V1, D, default_k=1, redis_url="redis://127.0.0.1:1/0", refresh_s=0.05)) as c:
+        assert wait_for(lambda: c.status().last_error is not None)
+        assert c.decide("prose", 1, 10) == 1
+        st = c.status()
+        assert st.fail_static and not st.connected and "Redis unreachable" in st.detail
+
+
+def test_lookup_exact_then_broader_then_default_and_versions() -> None:
+    c = PolicyClient(ClientConfig(V1, D, default_k=0))
+    assert c.apply(table(1, {f"{V1}|{D}|code|8|<=512": 5, f"{V1}|{D}|*|*|*": 2, f"{V2}|{D}|code|8|<=512": 7},
+                         default_k=1))
+    assert c.decide("code", 7, 300) == 5  # batch 7 -> bucket 8, context 300 -> <=512
+    assert c.decide("code", 7, 300) == 5  # cached
+    assert c.decide("prose", 7, 300) == 2  # falls back to the versions' wildcard
+    assert c.decide("code", 300, 100_000) == 2  # beyond the last edges
+    c.set_versions(V2, D)
+    assert c.decide("code", 8, 1) == 7
+    assert c.decide("prose", 8, 1) == 1  # nothing for v2 prose: default_k
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        (table(5, {f"{V1}|{D}|code|8|<=512": 9}), "k_above_engine_max"),
+        (table(1, {f"{V1}|{D}|code|8|<=512": 1}), "stale_version"),
+    ],
+)
+def test_rejects_invalid_tables_and_keeps_the_last_good_one(bad: PolicyTable, reason: str) -> None:
+    c = PolicyClient(ClientConfig(V1, D, default_k=0, k_max=8))
+    assert c.apply(table(2, {f"{V1}|{D}|code|8|<=512": 4}))
+    if reason == "k_above_engine_max":
+        bad = PolicyTable(version=5, default_k=0, k_max=16, entries={f"{V1}|{D}|code|8|<=512": 12})
+    assert not c.apply(bad)
+    assert c.version == 2 and c.decide("code", 8, 1) == 4
+    assert c.status().rejected == {reason: 1} and c.status().last_error
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        (b"{not json", "undecodable"),
+        (json.dumps({"schema_version": 99, "version": 7}).encode(), "unknown_schema_version"),
+        (json.dumps({"schema_version": 1, "version": 7, "default_k": 0, "k_max": 8,
+                     "entries": {"a|b|c|1|d": 11}}).encode(), "out_of_range"),
+        (json.dumps({"schema_version": 1, "version": 7, "default_k": 0, "k_max": 8,
+                     "entries": {"only|three|parts": 1}}).encode(), "bad_bucket_key|malformed"),
+    ],
+)
+def test_rejects_malformed_json(text: bytes, reason: str) -> None:
+    c = PolicyClient(ClientConfig(V1, D, default_k=2))
+    assert not c.apply_json(text)
+    (got,) = c.status().rejected.items()
+    assert got[0] in reason.split("|") and got[1] == 1
+    assert c.decide("code", 1, 1) == 2 and c.status().fail_static
+
+
+def test_follows_redis_and_rejects_tables_pushed_by_hand(redis_url: str, redis_prefix: str) -> None:
+    pub = RedisPublisher(redis_url, redis_prefix)
+    key = f"{V1}|{D}|code|8|<=512"
+    with PolicyClient(ClientConfig(V1, D, default_k=1, redis_url=redis_url, prefix=redis_prefix,
+                                   refresh_s=5.0)) as c:
+        assert wait_for(lambda: c.status().connected)
+        assert c.status().fail_static
+        assert pub.publish(table(3, {key: 6}))
+        assert wait_for(lambda: c.version == 3, 1.0)  # the nudge, not the 5 s timer
+        assert c.decide("code", 8, 10) == 6 and c.status().mode == "following"
+        r = redis.Redis.from_url(redis_url)
+        for i, raw in enumerate((b"garbage", table(2, {key: 0}).to_json().encode(),
+                                 json.dumps({**json.loads(table(9, {key: 0}).to_json()), "entries": {key: 42}}).encode())):
+            r.set(policy_key(redis_prefix), raw)
+            r.publish(updates_channel(redis_prefix), "99")
+            assert wait_for(lambda n=i + 1: sum(c.status().rejected.values()) >= n)
+        assert c.version == 3 and c.decide("code", 8, 10) == 6
+        assert set(c.status().rejected) == {"undecodable", "stale_version", "out_of_range"}
+        # the sidecar overwrites junk and moves on
+        assert pub.publish(table(4, {key: 2}), force=True)
+        assert wait_for(lambda: c.version == 4, 1.0)
+        r.close()
+    pub.close()
+
+
+def test_engine_hooks_switch_versions_and_record() -> None:
+    c = PolicyClient(ClientConfig(V1, D, default_k=0))
+    c.apply(table(1, {f"{V2}|{D}|*|*|*": 4}))
+    hooks = EngineHooks(c, None)
+    assert hooks.decide("code", 1, 1) == 3  # default of the table
+    rnd = RoundRecord(0, 1, 0, 1, 0.0, 0.0, 0.0, V2, D, (RowRecord("code", 5, 0, 0, 1),))
+    hooks.record(rnd)
+    assert hooks.decide("code", 1, 1) == 4
+
+
+def test_client_module_does_not_import_torch() -> None:
+    code = "import sys, controller.client, controller.publish; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
