@@ -1,0 +1,158 @@
+"""The sidecar with real stores and transports: learning, publishing, pins, bad input, restart, shared group."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from controller.client import ClientConfig, PolicyClient
+from controller.publish import CallbackPublisher, RedisPublisher
+from controller.sidecar import Sidecar, SidecarConfig, apply_pins
+from policies import REGISTRY
+from telemetry.emitter import Emitter, EmitterConfig
+from telemetry.ingest import ConsumerConfig
+from telemetry.records import PolicyTable
+from telemetry.store import Pin, Store
+from telemetry.synthetic import synthetic_rounds
+from telemetry.transport import InProcessTransport, RedisConfig, RedisStreamsTransport, Transport
+
+FAST = ConsumerConfig(consumer="c1", block_ms=10, claim_min_idle_ms=0, claim_interval_s=0.0)
+
+
+def make(transport: Transport, store: Store, publisher=None, consumer: ConsumerConfig = FAST,  # type: ignore[no-untyped-def]
+         **cfg) -> Sidecar:
+    return Sidecar(SidecarConfig(consumer=consumer, **cfg), transport, store, REGISTRY["goodput"](k_max=8),
+                   publisher or CallbackPublisher())
+
+
+def feed(transport: Transport, n_rounds: int, engine_id: str = "e1", seed: int = 0, per_window: int = 40) -> int:
+    em = Emitter(transport, EmitterConfig(engine_id), start=False)
+    for i, r in enumerate(synthetic_rounds(n_rounds, seed=seed)):
+        em.record(r)
+        if i % per_window == per_window - 1:
+            em.flush()
+    em.flush()
+    return em.stats().windows_sent
+
+
+def test_learns_publishes_and_stores_every_version(sqlite_url: str) -> None:
+    t = InProcessTransport()
+    client = PolicyClient(ClientConfig("target-v1", "draft-v1", default_k=0))
+    with Store(sqlite_url, auto_upgrade=True) as store:
+        sc = make(t, store, CallbackPublisher(client.apply), publish_every_windows=8)
+        sent = feed(t, 1200)
+        sc.drain()
+        assert sc.windows_ingested == sent and sc.version >= 1
+        stored = store.policy_versions(limit=100)
+        assert [p.version for p in stored] == list(range(sc.version, 0, -1))
+        assert all(p.reason.startswith("learned") for p in stored)
+        assert client.version == sc.version and not client.status().fail_static
+        assert len(sc.current.entries) == 3 * 5 * 4  # types x batch buckets seen x context buckets seen
+        expo = sc.metrics.exposition().decode()
+        for name in ("spectune_spec_decode_num_drafts_total", "spectune_spec_decode_num_draft_tokens_total",
+                     "spectune_spec_decode_num_accepted_tokens_total", "spectune_mean_acceptance_length",
+                     "spectune_spec_decode_num_accepted_tokens_per_pos_total", "spectune_chosen_k",
+                     "spectune_decision_seconds_bucket", "spectune_windows_ingested_total"):
+            assert name in expo, name
+        assert f"spectune_policy_version {float(sc.version)}" in expo
+
+
+def test_pins_override_the_policy_and_unpinning_restores_it(sqlite_url: str) -> None:
+    t = InProcessTransport()
+    with Store(sqlite_url, auto_upgrade=True) as store:
+        sc = make(t, store)
+        feed(t, 600)
+        sc.drain()
+        learned = dict(sc.current.entries)
+        store.pin("target-v1|draft-v1|code|*|*", 0, "code looks bad", who="test")
+        table = sc.publish_now("pin")
+        assert table is not None and "pin" in table.reason
+        code = {k: v for k, v in table.entries.items() if "|code|" in k}
+        assert code and all(v == 0 for v in code.values())
+        assert all(table.entries[k] == learned[k] for k in learned if "|code|" not in k)
+        store.unpin("target-v1|draft-v1|code|*|*")
+        table2 = sc.publish_now("unpin")
+        assert table2 is not None and table2.version == table.version + 1
+        assert {k: v for k, v in table2.entries.items() if k in learned} == {
+            k: v for k, v in sc.current.entries.items() if k in learned}
+
+
+def test_most_specific_pin_wins() -> None:
+    e = {"a|b|code|8|<=512": 3, "a|b|prose|8|<=512": 3}
+    pins = [Pin("*|*|*|*|*", 1, "", "t", 0.0), Pin("a|b|code|*|*", 5, "", "t", 0.0)]
+    out = apply_pins(e, pins)
+    assert out["a|b|code|8|<=512"] == 5 and out["a|b|prose|8|<=512"] == 1 and out["*|*|*|*|*"] == 1
+
+
+def test_bad_input_is_dead_lettered_counted_and_never_fatal(sqlite_url: str) -> None:
+    t = InProcessTransport()
+    with Store(sqlite_url, auto_upgrade=True) as store:
+        sc = make(t, store)
+        t.publish([b"not json", b'{"schema_version": 99}', b"\x93\x01\x02\x03"])
+        sent = feed(t, 200)
+        sc.drain()
+        assert sc.windows_ingested == sent
+        assert sum(sc.rejected.values()) == 3
+        assert len(t.dead_letters()) == 3
+        assert 'spectune_records_rejected_total{reason="undecodable"}' in sc.metrics.exposition().decode()
+
+
+def test_restart_resumes_from_the_group_and_the_latest_version(redis_url: str, redis_prefix: str,
+                                                              sqlite_url: str) -> None:
+    cfg = RedisConfig(prefix=redis_prefix)
+    engine_side = RedisStreamsTransport(redis_url, cfg)
+    sent = feed(engine_side, 800, per_window=20)
+    store = Store(sqlite_url, auto_upgrade=True)
+    t1 = RedisStreamsTransport(redis_url, cfg)
+    sc1 = make(t1, store, RedisPublisher(redis_url, redis_prefix),
+               consumer=ConsumerConfig(consumer="a", count=8, block_ms=10, claim_min_idle_ms=60_000))
+    for _ in range(3):  # ingest part of the stream, then "crash" with entries delivered but not acknowledged
+        sc1.step()
+    sc1.publish_now("before crash")
+    v1 = sc1.version
+    t1.client.xreadgroup("sidecar", "a", {t1.stream: ">"}, count=5)  # delivered, never acked: pending on "a"
+    done_before = store.batch_count()
+    assert 0 < done_before < sent
+    sc2 = make(RedisStreamsTransport(redis_url, cfg), store, RedisPublisher(redis_url, redis_prefix),
+               consumer=ConsumerConfig(consumer="b", block_ms=10, claim_min_idle_ms=0, claim_interval_s=0.0))
+    assert sc2.version == v1  # continues the counter
+    sc2.drain(idle_steps=3)
+    assert store.batch_count() == sent  # nothing lost ...
+    rounds = sum(w.window.rounds for w in store.cost_windows())
+    assert rounds == 800  # ... nothing counted twice
+    table = sc2.publish_now("after restart") or sc2.current
+    assert table is not None and sc2.version >= v1
+    raw = redis.Redis.from_url(redis_url).get(f"{redis_prefix}:policy")
+    assert raw is not None and f'"version":{sc2.version}'.encode() in raw
+    store.close()
+
+
+def test_two_sidecars_share_the_group_and_versions_only_go_up(redis_url: str, redis_prefix: str,
+                                                              pg_url: str) -> None:
+    cfg = RedisConfig(prefix=redis_prefix)
+    sent = feed(RedisStreamsTransport(redis_url, cfg), 600, per_window=20)
+    store_a = Store(pg_url, auto_upgrade=True)
+    store_b = Store(pg_url)
+    a = make(RedisStreamsTransport(redis_url, cfg), store_a, RedisPublisher(redis_url, redis_prefix),
+             consumer=ConsumerConfig(consumer="a", count=4, block_ms=10), publish_every_windows=4)
+    b = make(RedisStreamsTransport(redis_url, cfg), store_b, RedisPublisher(redis_url, redis_prefix),
+             consumer=ConsumerConfig(consumer="b", count=4, block_ms=10), publish_every_windows=4)
+    seen = []
+    r = redis.Redis.from_url(redis_url)
+    for _ in range(40):
+        a.step()
+        b.step()
+        raw = r.get(f"{redis_prefix}:policy")
+        if raw:
+            seen.append(PolicyTable(**{k: v for k, v in __import__("json").loads(raw).items()}).version)
+    a.drain()
+    b.drain()
+    assert a.windows_ingested > 0 and b.windows_ingested > 0
+    assert a.windows_ingested + b.windows_ingested == sent == store_a.batch_count()
+    assert seen == sorted(seen)
+    versions = [p.version for p in store_a.policy_versions(limit=1000)]
+    assert len(versions) == len(set(versions))
+    store_a.close()
+    store_b.close()
+    time.sleep(0)
