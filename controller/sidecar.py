@@ -160,12 +160,14 @@ class Sidecar:
             self._version, self._current = latest.version, latest
         try:
             there = self.publisher.current()
-            if there is not None and there.version > self._version:
-                self._version = there.version  # another sidecar got further; continue above it
-            if latest is not None and (there is None or there.version < latest.version):
-                self.publisher.publish(latest)  # e.g. Redis was flushed: engines get the last table back
         except TransportError as e:
             self._error(e)
+            there = None
+        if there is not None and there.version > self._version:
+            self._version = there.version  # another sidecar got further; continue above it
+        if latest is not None and (there is None or there.version < latest.version):
+            self._unpublished = latest  # e.g. Redis was flushed: engines get the last table back
+            self._retry_unpublished()
         if self.config.warm_start_windows:
             self._replay(self.config.warm_start_windows)
 
