@@ -69,7 +69,8 @@ def stdlib_sources() -> list[tuple[str, bytes]]:
 
 
 def code_docs() -> tuple[list[bytes], list[bytes]]:
-    train, held = [], []
+    train: list[bytes] = []
+    held: list[bytes] = []
     for rel, data in stdlib_sources():
         (held if _held_out(rel) else train).append(data)
     return train, held

@@ -87,7 +87,7 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        shape = (batch_size, n_heads, capacity, head_dim)
+        shape = (batch_size, n_heads, capacity + 1, head_dim)  # the last slot is scratch for padding writes
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
@@ -187,6 +187,9 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Byte-level Llama-style decoder."""
 
+    rope_cos: torch.Tensor  # [max_seq_len, head_dim / 2] buffers, not parameters
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -201,9 +204,7 @@ class Transformer(nn.Module):
 
     @staticmethod
     def _init(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
-        elif isinstance(m, nn.Embedding):
+        if isinstance(m, nn.Linear | nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
     def num_params(self) -> int:
@@ -213,7 +214,7 @@ class Transformer(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        if capacity > self.cfg.max_seq_len:
+        if capacity > self.cfg.max_seq_len:  # rotary table bounds the positions a row may reach
             raise ValueError(f"cache capacity {capacity} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
         p = next(self.parameters())
         return KVCache(
@@ -237,47 +238,62 @@ class Transformer(nn.Module):
         return self.head(self.norm(x))
 
     def forward_cached(
-        self, tokens: torch.Tensor, cache: KVCache, rows: torch.Tensor | None = None, advance: bool = True
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        rows: torch.Tensor | None = None,
+        real_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Append ``T`` tokens per row to the cache and return their logits.
+        """Append up to ``T`` tokens per row to the cache and return their logits (ragged rows supported).
 
-        All rows in ``rows`` append the same number of tokens ``T`` (callers pad shorter rows and roll them back
-        afterwards). Positions are each row's own ``cache.lengths``.
+        Row ``r`` appends ``real_lens[r]`` tokens at positions ``cache.lengths[r] + t``; its remaining
+        ``T - real_lens[r]`` entries are padding: their keys go to the cache's scratch slot (never attended to by
+        a real query) and their logits are meaningless. Afterwards each row's length grows by its real length.
 
         Args:
             tokens: ``[R, T]`` int64 on the model's device.
             cache: the model's cache; ``rows`` index into its batch dimension.
-            rows: ``[R]`` int64 CPU row indices, or None for all rows.
-            advance: add ``T`` to each row's length afterwards.
+            rows: ``[R]`` int64 CPU row indices, or None for all rows in order.
+            real_lens: ``[R]`` int64 CPU, ``1..T``; None means every row appends ``T``.
         Returns:
             logits: ``[R, T, V]`` float32.
+        Raises:
+            CacheCapacityError: a row would grow past the cache.
         """
         dev = tokens.device
+        r, t = tokens.shape
+        full = rows is None
         if rows is None:
             rows = torch.arange(cache.batch_size)
-        r, t = tokens.shape
+        if real_lens is None:
+            real_lens = torch.full((r,), t, dtype=torch.long)
         starts = cache.lengths[rows]  # [R] CPU
-        end = int(starts.max()) + t
+        new_lens = starts + real_lens
+        end = int(new_lens.max())
         if end > cache.capacity:
             raise CacheCapacityError(
                 f"a row would reach {end} positions but the cache holds {cache.capacity}; "
                 "raise the engine's max_context or shorten the request"
             )
-        pos_cpu = starts[:, None] + torch.arange(t)[None, :]  # [R, T]
-        pos = pos_cpu.to(dev, non_blocking=True)
+        steps = torch.arange(t)[None, :]  # [1, T]
+        pos_cpu = starts[:, None] + steps  # [R, T]
+        pad = steps >= real_lens[:, None]  # [R, T]
+        write_cpu = pos_cpu.masked_fill(pad, cache.capacity)  # padding writes land in the scratch slot
+        rope_pos = pos_cpu.clamp(max=self.cfg.max_seq_len - 1)
+        pos = write_cpu.to(dev, non_blocking=True)
         dtype = self.embed.weight.dtype
-        cos = self.rope_cos[pos].to(dtype)[:, None]  # [R, 1, T, D/2]
-        sin = self.rope_sin[pos].to(dtype)[:, None]
-        # Key j is visible to query i of row r iff j <= pos[r, i]; covers both the cache prefix and causality.
+        rp = rope_pos.to(dev, non_blocking=True)
+        cos = self.rope_cos[rp].to(dtype)[:, None]  # [R, 1, T, D/2]
+        sin = self.rope_sin[rp].to(dtype)[:, None]
+        # Key j is visible to query (r, i) iff j <= pos[r, i]: the cached prefix plus causality within the
+        # new tokens. Padding queries sit at the scratch index; their outputs are discarded.
         key_pos = torch.arange(end, device=dev)
         mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [R, 1, T, end]
-        full = r == cache.batch_size and bool((rows == torch.arange(r)).all())
         x = self.embed(tokens)
-        row_idx = rows.to(dev)[:, None]
+        row_idx = rows.to(dev)[:, None]  # [R, 1]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, (cache.k[i], cache.v[i]), (row_idx, pos), end, full)
-        if advance:
-            cache.lengths[rows] = starts + t
+        cache.lengths[rows] = new_lens
         return self.head(self.norm(x)).float()
 
 

@@ -28,6 +28,7 @@ from engine.model import BOS_ID, EOS_ID, MODEL_PRESETS, ModelConfig, Transformer
 
 CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 MANIFEST = "manifest.json"
+RESUME_FREE_FIELDS = ("long_seq_len", "long_frac", "save_every")  # affect only steps not yet taken
 EVAL_WINDOWS = 48  # held-out windows per request type for bits per byte
 SAMPLE_BYTES = 384  # bytes sampled per prompt for the compression-ratio check
 SAMPLE_PROMPTS = 6
@@ -53,12 +54,16 @@ class TrainConfig:
     init_from: str | None = None  # start from this checkpoint's weights (fine-tuning)
     seed: int = 0
     save_every: int = 200  # steps between resumable states
+    long_seq_len: int = 1024  # the final steps train on long windows so the model serves long contexts
+    long_frac: float = 0.25  # fraction of steps (at the end) on long windows, batch scaled to keep tokens/step
 
     def __post_init__(self) -> None:
         if self.preset not in MODEL_PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose from {sorted(MODEL_PRESETS)}")
         if self.steps <= 0 or self.batch_size <= 0 or self.seq_len <= 1:
             raise ValueError("steps, batch_size must be positive and seq_len > 1")
+        if not 0.0 <= self.long_frac <= 1.0 or self.long_seq_len < self.seq_len:
+            raise ValueError("long_frac must be in [0, 1] and long_seq_len >= seq_len")
         if set(self.mix) - set(REQUEST_TYPES) or not math.isclose(sum(self.mix.values()), 1.0, abs_tol=1e-6):
             raise ValueError(f"mix must map request types {REQUEST_TYPES} to weights summing to 1, got {self.mix}")
 
@@ -71,7 +76,9 @@ def stages(scale: float = 1.0) -> list[TrainConfig]:
 
     return [
         TrainConfig(name="target-v1", preset="target", steps=s(2400), warmup=100),
-        TrainConfig(name="draft-v1", preset="draft", steps=s(1200), distill_from="target-v1", lr=4e-3, warmup=100, seed=1),
+        TrainConfig(
+            name="draft-v1", preset="draft", steps=s(1200), distill_from="target-v1", lr=4e-3, warmup=100, seed=1
+        ),
         TrainConfig(
             name="target-v2",
             preset="target",
@@ -94,20 +101,30 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def sample_batch(corpus: Corpus, cfg: TrainConfig, gen: torch.Generator) -> torch.Tensor:
+def batch_shape(cfg: TrainConfig, step: int) -> tuple[int, int]:
+    """(batch size, sequence length) at ``step``: short windows first, long windows for the last steps."""
+    if step >= cfg.steps * (1.0 - cfg.long_frac):
+        return max(1, cfg.batch_size * cfg.seq_len // cfg.long_seq_len), cfg.long_seq_len
+    return cfg.batch_size, cfg.seq_len
+
+
+def sample_batch(
+    corpus: Corpus, cfg: TrainConfig, gen: torch.Generator, shape: tuple[int, int] | None = None
+) -> torch.Tensor:
     """Random windows of ``seq_len + 1`` tokens, request types drawn by ``cfg.mix``.
 
     Returns:
-        ``[batch_size, seq_len + 1]`` int64.
+        ``[batch_size, seq_len + 1]`` int64 (``shape`` overrides the config's batch size and length).
     """
+    bsz, seq = shape or (cfg.batch_size, cfg.seq_len)
     kinds = list(cfg.mix)
     probs = torch.tensor([cfg.mix[k] for k in kinds])
-    which = torch.multinomial(probs, cfg.batch_size, replacement=True, generator=gen)
-    out = torch.empty(cfg.batch_size, cfg.seq_len + 1, dtype=torch.long)
+    which = torch.multinomial(probs, bsz, replacement=True, generator=gen)
+    out = torch.empty(bsz, seq + 1, dtype=torch.long)
     for i, w in enumerate(which.tolist()):
         stream = corpus.train[kinds[w]]
-        start = int(torch.randint(0, len(stream) - cfg.seq_len - 1, (1,), generator=gen))
-        out[i] = torch.from_numpy(stream[start : start + cfg.seq_len + 1].astype(np.int64))
+        start = int(torch.randint(0, len(stream) - seq - 1, (1,), generator=gen))
+        out[i] = torch.from_numpy(stream[start : start + seq + 1].astype(np.int64))
     return out
 
 
@@ -119,12 +136,12 @@ def eval_windows(stream: np.ndarray, seq_len: int, n: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def bits_per_byte(model: Transformer, corpus: Corpus, seq_len: int = 256) -> dict[str, float]:
+def bits_per_byte(model: Transformer, corpus: Corpus, seq_len: int = 256, n: int = EVAL_WINDOWS) -> dict[str, float]:
     """Held-out cross-entropy in bits per byte, per request type (BOS/EOS targets excluded)."""
     model.eval()
     out = {}
     for kind in REQUEST_TYPES:
-        w = eval_windows(corpus.held_out[kind], seq_len, EVAL_WINDOWS)
+        w = eval_windows(corpus.held_out[kind], seq_len, n)
         logits = model(w[:, :-1]).float()
         tgt = w[:, 1:]
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
@@ -211,7 +228,8 @@ def train_stage(
     sp = _state_path(work_dir, cfg.name)
     if sp.exists():
         st = torch.load(sp, weights_only=False)
-        if st["config"] == asdict(cfg):
+        same = all(st["config"].get(f) == v for f, v in asdict(cfg).items() if f not in RESUME_FREE_FIELDS)
+        if same and st["step"] <= cfg.steps:
             model.load_state_dict(st["model"])
             opt.load_state_dict(st["opt"])
             gen.set_state(st["gen"])
@@ -222,7 +240,7 @@ def train_stage(
     while step < cfg.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
-        batch = sample_batch(corpus, cfg, gen)
+        batch = sample_batch(corpus, cfg, gen, batch_shape(cfg, step))
         x, y = batch[:, :-1], batch[:, 1:]
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -270,6 +288,7 @@ def train_stage(
         "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
         "train_seconds": round(seconds, 1),
         "held_out_bits_per_byte": bits_per_byte(shipped, eval_corpus),
+        "held_out_bits_per_byte_long": bits_per_byte(shipped, eval_corpus, seq_len=cfg.long_seq_len, n=12),
         "compression_ratio": honesty_check(shipped, 1),
     }
     if cfg.structured_schema != 1:

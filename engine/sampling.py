@@ -1,0 +1,107 @@
+"""Pure tensor functions of the verify step: turning logits into distributions and the acceptance rule.
+
+Greedy decoding is the special case of a one-hot distribution at the argmax, so one rule serves both modes:
+with one-hot ``p`` and ``q`` the rule accepts a draft iff it equals the target's argmax and otherwise emits the
+target's argmax, which is exactly plain greedy decoding of the target.
+
+Speculative sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318):
+accept draft token ``x ~ q`` with probability ``min(1, p(x) / q(x))``; on the first rejection sample the
+correction token from ``norm(max(0, p - q))``; if every draft is accepted sample a bonus token from the
+target's next distribution. The output is distributed exactly as the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GREEDY = 0.0  # temperature that selects greedy decoding
+
+
+def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Distributions after temperature and top-p, applied identically to draft and target.
+
+    Args:
+        logits: ``[B, T, V]`` float.
+        temperature: ``[B]``; ``0`` means greedy (one-hot at the argmax).
+        top_p: ``[B]`` in ``(0, 1]``; 1 disables nucleus filtering.
+    Returns:
+        probs: ``[B, T, V]`` float32, each row summing to 1.
+    """
+    logits = logits.float()
+    greedy = temperature <= GREEDY  # [B]
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    probs = torch.softmax(logits / t[:, None, None], dim=-1)
+    if bool((top_p < 1.0).any()):
+        probs = _top_p(probs, top_p)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None, None], onehot, probs)
+    return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of tokens whose mass reaches ``top_p`` (always at least the top token).
+
+    Args:
+        probs: ``[B, T, V]``.
+        top_p: ``[B]``.
+    """
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    cum = sorted_p.cumsum(-1)
+    drop = (cum - sorted_p) >= top_p[:, None, None].float()  # mass before this token already reached top_p
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return out / out.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per distribution.
+
+    Args:
+        probs: ``[N, V]``.
+    Returns:
+        ``[N]`` int64.
+    """
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    k: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative-sampling acceptance for a batch of rows with individual draft lengths.
+
+    Args:
+        draft_tokens: ``[B, K]`` int64, drafts ``d_1..d_K`` (entries past a row's ``k`` are ignored).
+        draft_probs: ``[B, K, V]``, ``q_i``: the draft's distribution that ``d_i`` was sampled from.
+        target_probs: ``[B, K + 1, V]``, ``p_i``: the target's distribution for the slot of ``d_i``
+            (index ``K`` is the bonus slot after all drafts).
+        k: ``[B]`` int64, each row's draft length, ``0 <= k <= K``.
+        generator: RNG for the accept coins and the correction / bonus draws.
+    Returns:
+        accepted: ``[B]`` int64, leading drafts kept, ``0..k``.
+        next_token: ``[B]`` int64, the correction token (after a rejection) or the bonus token.
+    """
+    b, kmax = draft_tokens.shape
+    dev = target_probs.device
+    if kmax == 0:
+        return torch.zeros(b, dtype=torch.long, device=dev), sample(target_probs[:, 0], generator)
+    p_d = target_probs[:, :kmax].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K] p_i(d_i)
+    q_d = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K] q_i(d_i) > 0: d_i ~ q_i
+    u = torch.rand(b, kmax, generator=generator, device=dev)
+    # u < p/q  <=>  u * q < p; q >= p: accept with probability p/q, q < p: always accept the draft token.
+    ok = (u * q_d < p_d) & (torch.arange(kmax, device=dev)[None, :] < k[:, None])  # [B, K]
+    accepted = ok.long().cumprod(-1).sum(-1)  # [B] length of the all-accepted prefix
+    rows = torch.arange(b, device=dev)
+    p_next = target_probs[rows, accepted]  # [B, V] the slot after the accepted prefix
+    rejected = accepted < k  # [B]
+    q_next = draft_probs[rows, accepted.clamp(max=kmax - 1)]  # [B, V] (ignored where not rejected)
+    residual = (p_next - q_next).clamp(min=0.0)
+    mass = residual.sum(-1, keepdim=True)
+    # mass == 0 happens only when p == q on the support (then rejection has probability 0); fall back to p.
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
+    dist = torch.where(rejected[:, None], residual, p_next)
+    return accepted, sample(dist, generator)

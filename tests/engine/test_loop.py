@@ -1,0 +1,185 @@
+"""The engine loop: greedy exactness for every k and schedule, exact sampling end to end, caches, bad input."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from engine.loop import EngineConfig, Request, SpecEngine
+from engine.model import BOS_ID, MODEL_PRESETS, CacheCapacityError, Transformer
+from telemetry.records import RoundRecord
+
+PROMPTS = [b"def f(x):\n    return", b"The quick brown fox", b'{"id": 1, "name"', b"import os\n" * 4, b"x"]
+
+
+def _run(
+    pair: tuple[Transformer, Transformer],
+    policy: Callable[[str, int, int], int],
+    max_batch: int,
+    temperature: float = 0.0,
+    n_new: int = 48,
+    prompts: list[bytes] = PROMPTS,
+    seed: int = 0,
+) -> tuple[dict[str, list[int]], list[RoundRecord]]:
+    eng = SpecEngine(*pair, EngineConfig(max_batch=max_batch, max_context=256, k_max=8, seed=seed), "t1", "d1")
+    for j, p in enumerate(prompts):
+        assert eng.submit(Request(str(j), ["code", "prose"][j % 2], p, n_new, temperature=temperature))
+    records = []
+    while not eng.idle():
+        rec = eng.step(policy)
+        assert rec is not None
+        records.append(rec)
+    return {c.request_id: c.output for c in eng.pop_finished()}, records
+
+
+@pytest.fixture(scope="module")
+def plain(pair: tuple[Transformer, Transformer]) -> dict[str, list[int]]:
+    out, _ = _run(pair, lambda t, b, c: 0, max_batch=1)
+    return out
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_greedy_speculative_equals_plain_greedy(pair, plain, k: int, max_batch: int) -> None:
+    out, recs = _run(pair, lambda t, b, c: k, max_batch=max_batch)
+    assert out == plain
+    assert all(r.max_k == k for r in recs)
+    assert any(row.accepted > 0 for r in recs for row in r.rows)  # the draft is used, not bypassed
+
+
+def test_random_on_off_schedule_is_exact(pair, plain) -> None:
+    rng = random.Random(0)
+    out, recs = _run(pair, lambda t, b, c: rng.choice([0, 0, 1, 2, 5, 8]), max_batch=4)
+    assert out == plain
+    ks = {row.k for r in recs for row in r.rows}
+    assert 0 in ks and max(ks) > 1
+
+
+def test_per_row_k_by_request_type(pair, plain) -> None:
+    out, recs = _run(pair, lambda t, b, c: 6 if t == "code" else 0, max_batch=5)
+    assert out == plain
+    mixed = [r for r in recs if {row.k for row in r.rows} == {0, 6}]
+    assert mixed, "rows of different k must share a round"
+
+
+def test_draft_catches_up_after_speculation_was_off() -> None:
+    # The draft is an exact copy: every draft must be accepted, also right after a stretch of k = 0. A draft
+    # cache that skipped the tokens decoded while speculation was off would reject (TensorRT-LLM #16888).
+    torch.manual_seed(3)
+    target = Transformer(MODEL_PRESETS["tiny"]).double().eval()
+    draft = Transformer(MODEL_PRESETS["tiny"]).double().eval()
+    draft.load_state_dict(target.state_dict())
+    schedule = iter([4, 0, 0, 0, 0, 0, 4, 0, 0, 4, 4, 0, 4] + [3] * 100)
+    _, recs = _run((target, draft), lambda t, b, c: next(schedule), max_batch=1, prompts=[b"hello"], n_new=60)
+    for r in recs:
+        for row in r.rows:
+            if row.k and row.emitted == row.k + 1:
+                assert row.accepted == row.k
+
+
+def test_record_fields(pair) -> None:
+    _, recs = _run(pair, lambda t, b, c: 3, max_batch=2)
+    for r in recs:
+        assert r.tokens_verified == r.batch_size * (r.max_k + 1)
+        assert r.draft_s >= 0 and r.verify_s > 0 and r.other_s >= 0
+        assert r.batch_size == len(r.rows)
+        for row in r.rows:
+            assert 0 <= row.accepted <= row.k
+            assert 1 <= row.emitted <= row.accepted + 1
+
+
+@torch.no_grad()
+def _target_first_token_probs(target: Transformer, prompt: bytes) -> torch.Tensor:
+    toks = torch.tensor([[BOS_ID, *prompt]])
+    return torch.softmax(target(toks)[0, -1].double(), -1)
+
+
+def test_sampling_preserves_target_distribution_end_to_end(pair) -> None:
+    target, draft = pair
+    prompt, n = b"ab", 3000
+    p = _target_first_token_probs(target, prompt)
+    eng = SpecEngine(target, draft, EngineConfig(max_batch=n, max_context=32, k_max=4, seed=5), "t", "d")
+    for j in range(n):
+        eng.submit(Request(str(j), "code", prompt, 1, temperature=1.0, stop_at_eos=False))
+    rec = eng.step(lambda t, b, c: 4)
+    assert rec is not None and sum(row.accepted for row in rec.rows) > 0
+    first = torch.tensor([c.output[0] for c in eng.pop_finished()])
+    emp = torch.bincount(first, minlength=p.numel()).double() / n
+    # Only tokens with real mass matter for the bound; 3000 samples give a TV sampling error of ~0.05 here.
+    assert float(0.5 * (emp - p).abs().sum()) < 0.12
+    q = _target_first_token_probs(draft, prompt)
+    assert float(0.5 * (q - p).abs().sum()) > 0.0
+
+
+def test_swap_target_keeps_requests(pair) -> None:
+    target, draft = pair
+    eng = SpecEngine(target, draft, EngineConfig(max_batch=2, max_context=256, k_max=4), "t1", "d1")
+    for j in range(2):
+        eng.submit(Request(str(j), "code", b"abc", 30, temperature=0.0))
+    for _ in range(3):
+        eng.step(lambda t, b, c: 2)
+    eng.swap_target(target, "t2")
+    while not eng.idle():
+        rec = eng.step(lambda t, b, c: 2)
+        assert rec is not None and rec.target_version == "t2"
+    assert len(eng.pop_finished()) == 2
+
+
+def test_bad_requests_are_rejected_and_loop_continues(pair) -> None:
+    eng = SpecEngine(*pair, EngineConfig(max_batch=2, max_context=64, k_max=4), "t", "d")
+    assert not eng.submit(Request("empty", "code", b"", 5))
+    assert not eng.submit(Request("neg", "code", b"a", -1))
+    assert not eng.submit(Request("big", "code", b"a" * 60, 10))
+    assert not eng.submit(Request("temp", "code", b"a", 5, temperature=-1.0))
+    assert not eng.submit(Request("bytes", "code", "text", 5))  # type: ignore[arg-type]
+    assert eng.submit(Request("ok", "code", b"a", 5))
+    reasons = dict(eng.rejected)
+    assert "max_context" in reasons["big"] and "non-empty" in reasons["empty"]
+    while not eng.idle():
+        eng.step(lambda t, b, c: 2)
+    assert [c.request_id for c in eng.pop_finished()] == ["ok"]
+
+
+def test_cache_capacity_error_is_clear() -> None:
+    m = Transformer(MODEL_PRESETS["tiny"])
+    cache = m.new_cache(1, 8)
+    m.forward_cached(torch.zeros(1, 6, dtype=torch.long), cache)
+    with pytest.raises(CacheCapacityError, match="max_context"):
+        m.forward_cached(torch.zeros(1, 4, dtype=torch.long), cache)
+
+
+def test_kv_rollback_reproduces_logits() -> None:
+    torch.manual_seed(0)
+    m = Transformer(MODEL_PRESETS["tiny"]).double().eval()
+    cache = m.new_cache(1, 32)
+    toks = torch.randint(0, 256, (1, 10))
+    ref = m.forward_cached(toks, cache)[0, -1]
+    cache.rollback(0, 5)
+    m.forward_cached(torch.randint(0, 256, (1, 3)), cache)  # overwrite positions 5..7 with other tokens
+    cache.rollback(0, 5)
+    again = m.forward_cached(toks[:, 5:], cache)[0, -1]
+    assert torch.allclose(ref, again)
+    with pytest.raises(ValueError):
+        cache.rollback(0, 99)
+
+
+def test_ragged_forward_matches_full_forward() -> None:
+    torch.manual_seed(1)
+    m = Transformer(MODEL_PRESETS["tiny"]).double().eval()
+    a, b = torch.randint(0, 256, (1, 7)), torch.randint(0, 256, (1, 3))
+    cache = m.new_cache(2, 16)
+    buf = torch.zeros(2, 7, dtype=torch.long)
+    buf[0], buf[1, :3] = a[0], b[0]
+    out = m.forward_cached(buf, cache, real_lens=torch.tensor([7, 3]))
+    assert torch.allclose(out[0], m(a)[0].float(), atol=1e-5)
+    assert torch.allclose(out[1, :3], m(b)[0].float(), atol=1e-5)
+    assert cache.lengths.tolist() == [7, 3]
+
+
+def test_memory_report(pair) -> None:
+    eng = SpecEngine(*pair, EngineConfig(max_batch=4, max_context=128), "t", "d")
+    rep = eng.memory_report()
+    assert rep["target_kv_bytes"] > 0 and rep["draft_weight_bytes"] > 0
