@@ -102,7 +102,8 @@ class _Status:
         st = self._hooks.client.status()
         line = {"t": time.time(), "rounds": self.rounds, "tokens": self.tokens, "version": st.version,
                 "k_by_type": dict(self.k_by_type), "fail_static": st.fail_static, "mode": st.mode,
-                "rejected": st.rejected, "connected": st.connected, "applied_at": st.last_update_at, **self._extra, **more}
+                "rejected": st.rejected, "connected": st.connected, "applied_at": st.last_update_at,
+                **self._extra, **more}
         with self._path.open("a") as f:
             f.write(json.dumps(line) + "\n")
 

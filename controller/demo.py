@@ -1,0 +1,293 @@
+"""``spectune demo``: the real engine on a mixed, changing workload, with the sidecar learning k live.
+
+Everything runs in one process on embedded defaults: the reference engine (shipped checkpoints, CUDA when
+present, else CPU), the engine hooks (policy client + telemetry emitter), the in-process transport, the sidecar
+on a thread with the ``goodput`` policy, and a SQLite file in the run folder. ``--redis-url`` / ``--db-url``
+switch the transport and the store to Redis and PostgreSQL.
+
+The same workload (:data:`controller.workload.WORKLOADS` ``"demo"``: code, prose and structured requests; load
+rising to a large batch and falling; long-context requests; the model update midway) is played three times:
+
+1. **learned**: k from the sidecar, which starts knowing nothing and learns while the workload runs;
+2. **static k**: one k for everything (what most deployments configure);
+3. **best per bucket (hindsight)**: for each (model version, batch bucket, context bucket), the k with the highest
+   tokens/s measured in runs 1 and 2, fixed for the whole run: the best a static table could have done with
+   what the first two runs found.
+
+Tokens per second compare fairly because each phase lasts the same wall time in every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller.client import ClientConfig, EngineHooks, PolicyClient
+from controller.publish import CallbackPublisher, Publisher, RedisPublisher
+from controller.sidecar import PublishedVersion, Sidecar, SidecarConfig
+from controller.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled
+from telemetry.emitter import Emitter, EmitterConfig
+from telemetry.ingest import ConsumerConfig
+from telemetry.records import DEFAULT_BUCKETS, RoundRecord
+from telemetry.store import Store
+from telemetry.transport import InProcessTransport, RedisConfig, RedisStreamsTransport, Transport
+
+QUICK_SCALE = 0.12  # --quick: each phase this fraction of its length (the whole demo in well under a minute)
+MIN_ROUNDS_FOR_BEST = 3  # rounds a (cell, k) needs before the hindsight table may pick it
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """One demo run."""
+
+    out_root: Path = Path("runs")  # the report goes to out_root/demo-YYYYmmdd-HHMMSS
+    checkpoints: Path | None = None  # None: the shipped checkpoints
+    device: str | None = None  # None: CUDA when present, else CPU
+    redis_url: str | None = None  # None: in-process transport
+    db_url: str | None = None  # None: SQLite file in the run folder
+    time_scale: float = 1.0  # multiplies every phase's length
+    static_k: int = 3  # the static baseline's k
+    k_max: int = 8
+    max_batch: int = 64
+    seed: int = 0
+    prompt_cache: Path = Path(".spectune_cache")
+    window_s: float = 0.25  # telemetry window
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0:
+            raise ValueError("time scale must be > 0")
+        if not 0 <= self.static_k <= self.k_max:
+            raise ValueError(f"--static-k must be in [0, k_max={self.k_max}]")
+
+
+@dataclass
+class RunLog:
+    """What one run did, round by round (compact tuples: the plots and tables read these)."""
+
+    name: str
+    # (t, phase index, target version, batch size, max context, max k, emitted, wall s)
+    rounds: list[tuple[float, int, str, int, int, int, int, float]] = field(default_factory=list)
+    # (t, phase index, target version, request type, k, accepted, emitted)
+    rows: list[tuple[float, int, str, str, int, int, int]] = field(default_factory=list)
+    wall_s: float = 0.0
+    history: list[PublishedVersion] = field(default_factory=list)
+    started_at: float = 0.0  # wall clock (time.time) at the start of the workload
+
+    def tokens(self, phase: int | None = None) -> int:
+        return sum(r[6] for r in self.rounds if phase is None or r[1] == phase)
+
+
+def cell_of(r: tuple[float, int, str, int, int, int, int, float]) -> tuple[str, int, str]:
+    """(target version, batch bucket, context bucket) of a logged round."""
+    return r[2], DEFAULT_BUCKETS.batch_bucket(r[3]), DEFAULT_BUCKETS.context_bucket(r[4])
+
+
+def best_per_cell(logs: Sequence[RunLog]) -> dict[tuple[str, int, str], tuple[int, float]]:
+    """Cell -> (k, tokens/s of rounds at that largest k), the best measured in ``logs``."""
+    acc: dict[tuple[tuple[str, int, str], int], list[float]] = {}
+    for log in logs:
+        for r in log.rounds:
+            a = acc.setdefault((cell_of(r), r[5]), [0, 0.0, 0])
+            a[0] += r[6]
+            a[1] += r[7]
+            a[2] += 1
+    best: dict[tuple[str, int, str], tuple[int, float]] = {}
+    for (cell, k), (tok, secs, n) in acc.items():
+        if n < MIN_ROUNDS_FOR_BEST or secs <= 0:
+            continue
+        g = tok / secs
+        if cell not in best or g > best[cell][1]:
+            best[cell] = (k, g)
+    return best
+
+
+class _Engine:
+    """The engine, its models and the update, shared by the three runs (models load once)."""
+
+    def __init__(self, cfg: DemoConfig) -> None:
+        from engine.loader import load_models
+
+        self.cfg = cfg
+        self.models = load_models(cfg.checkpoints, cfg.device, with_update=True)
+        self.pool = PromptPool(cfg.seed, cfg.prompt_cache)
+
+    def fresh(self) -> Any:
+        from engine.loop import EngineConfig, SpecEngine
+
+        m = self.models
+        return SpecEngine(m.target, m.draft, EngineConfig(max_batch=self.cfg.max_batch, k_max=self.cfg.k_max,
+                                                          seed=self.cfg.seed), m.target_version, m.draft_version)
+
+
+def _play(name: str, eng: _Engine, phases: Sequence[Phase], decide: Callable[[str, int, int], int] | None,
+          hooks: EngineHooks | None, progress: Callable[[RunLog, int, float], None]) -> RunLog:
+    """One pass of the workload; ``hooks`` (learned run) or a fixed ``decide`` (baselines)."""
+    engine = eng.fresh()
+    log = RunLog(name, started_at=time.time())
+    phase_index = {id(p): i for i, p in enumerate(phases)}
+    m = eng.models
+
+    def update() -> None:
+        if m.target_v2 is not None:
+            engine.swap_target(m.target_v2, m.target_v2_version)
+            if hooks is not None:
+                hooks.client.set_versions(m.target_v2_version, m.draft_version)
+
+    def on_round(r: RoundRecord, phase: Phase, t: float) -> None:
+        if hooks is not None:
+            hooks.record(r)
+        pi = phase_index[id(phase)]
+        log.rounds.append((t, pi, r.target_version, r.batch_size, r.max_context, r.max_k, r.emitted, r.wall_s))
+        for row in r.rows:
+            log.rows.append((t, pi, r.target_version, row.request_type, row.k, row.accepted, row.emitted))
+        progress(log, pi, t)
+
+    fn = hooks.decide if hooks is not None else decide
+    assert fn is not None
+    log.wall_s = drive(engine, fn, phases, RequestStream(eng.pool, eng.cfg.seed), on_round, update)
+    return log
+
+
+def _learned_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: Path,
+                 progress: Callable[[RunLog, int, float], None],
+                 on_sidecar: Callable[[Sidecar], None] = lambda _s: None) -> tuple[RunLog, Sidecar]:
+    """The live run: engine hooks -> transport -> sidecar thread (goodput) -> client."""
+    from policies import REGISTRY
+
+    m = eng.models
+    prefix = f"spectune-demo-{run_dir.name}"
+    store = Store(cfg.db_url or f"sqlite:///{(run_dir / 'spectune.sqlite').resolve()}", auto_upgrade=True)
+    transport: Transport
+    engine_transport: Transport
+    publisher: Publisher
+    client = PolicyClient(ClientConfig(m.target_version, m.draft_version, default_k=cfg.static_k, k_max=cfg.k_max,
+                                       redis_url=cfg.redis_url, prefix=prefix, refresh_s=1.0))
+    if cfg.redis_url is not None:
+        transport = RedisStreamsTransport(cfg.redis_url, RedisConfig(prefix=prefix))
+        engine_transport = RedisStreamsTransport(cfg.redis_url, RedisConfig(prefix=prefix))
+        publisher = RedisPublisher(cfg.redis_url, prefix)
+    else:
+        transport = engine_transport = InProcessTransport()
+        publisher = CallbackPublisher(client.apply)
+    sidecar = Sidecar(
+        SidecarConfig(publish_every_windows=6, publish_every_s=0.5, warm_start_windows=0,
+                      consumer=ConsumerConfig(consumer="demo", block_ms=50)),
+        transport, store, REGISTRY["goodput"](k_max=cfg.k_max, seed=cfg.seed), publisher)
+    on_sidecar(sidecar)
+    sidecar.start()
+    emitter = Emitter(engine_transport, EmitterConfig(engine_id="demo-engine", interval_s=cfg.window_s))
+    hooks = EngineHooks(client, emitter)
+    try:
+        log = _play("learned", eng, phases, None, hooks, progress)
+    finally:
+        hooks.close()
+        sidecar.stop()
+    sidecar.drain()
+    log.history = list(sidecar.history)
+    store.close()
+    return log, sidecar
+
+
+def run_demo(cfg: DemoConfig) -> Path:
+    """Play the three runs, write the report folder, print the summary. Returns the report folder."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from controller.demo_report import write_report
+
+    console = Console()
+    run_dir = cfg.out_root / time.strftime("demo-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    phases = scaled(WORKLOADS["demo"], cfg.time_scale)
+    total = sum(p.seconds for p in phases)
+    with console.status("loading the models and the held-out prompts"):
+        eng = _Engine(cfg)
+    m = eng.models
+    console.print(f"[bold]spectune demo[/]: target {m.target_version} -> {m.target_v2_version} midway, draft "
+                  f"{m.draft_version}, on {m.device.label}; {len(phases)} phases, {total:.0f}s per run, 3 runs")
+    columns = (TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.fields[info]}"),
+               TimeRemainingColumn())
+    live: list[Sidecar] = []
+    logs: list[RunLog] = []
+    with Progress(*columns, console=console) as prog:
+
+        def progress_for(task: Any) -> Callable[[RunLog, int, float], None]:
+            last = [0.0]
+
+            def cb(log: RunLog, pi: int, t: float) -> None:
+                if t - last[0] < 0.25:
+                    return
+                last[0] = t
+                recent = [r for r in log.rounds[-300:] if r[0] > t - 2.0]
+                tps = sum(r[6] for r in recent) / max(1e-9, t - recent[0][0]) if len(recent) > 1 else 0.0
+                ver = f"  policy v{live[0].version}" if live and log.name == "learned" else ""
+                info = f"{phases[pi].name:<13} batch {log.rounds[-1][3]:>2} {tps:6.0f} tok/s{ver}"
+                prog.update(task, completed=min(t, total), info=info)
+
+            return cb
+
+        task = prog.add_task("learned (sidecar, live)", total=total, info="")
+        learned, sidecar = _learned_run(cfg, eng, phases, run_dir, progress_for(task), live.append)
+        prog.update(task, completed=total)
+        logs.append(learned)
+
+        task = prog.add_task(f"static k={cfg.static_k}", total=total, info="")
+        logs.append(_play(f"static k={cfg.static_k}", eng, phases, lambda *_: cfg.static_k, None,
+                          progress_for(task)))
+        prog.update(task, completed=total)
+
+        best = best_per_cell(logs)
+        task = prog.add_task("best per bucket (hindsight)", total=total, info="")
+        logs.append(_play_best(eng, phases, {c: k for c, (k, _) in best.items()}, cfg.static_k, progress_for(task)))
+        prog.update(task, completed=total)
+
+    write_report(run_dir, cfg, phases, logs, sidecar, best, console, m.target_v2_version)
+    return run_dir
+
+
+def _play_best(eng: _Engine, phases: Sequence[Phase], table: dict[tuple[str, int, str], int], fallback: int,
+               progress: Callable[[RunLog, int, float], None]) -> RunLog:
+    """A fixed table per (version, batch bucket, context bucket): the hindsight baseline."""
+    engine_versions = {"v": eng.models.target_version}
+
+    def decide(_rtype: str, batch: int, ctx: int) -> int:
+        cell = (engine_versions["v"], DEFAULT_BUCKETS.batch_bucket(batch), DEFAULT_BUCKETS.context_bucket(ctx))
+        return table.get(cell, fallback)
+
+    def track(log: RunLog, pi: int, t: float) -> None:
+        if log.rounds:
+            engine_versions["v"] = log.rounds[-1][2]
+        progress(log, pi, t)
+
+    return _play("best per bucket (hindsight)", eng, phases, decide, None, track)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="spectune demo", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true", help=f"each phase x{QUICK_SCALE} (under a minute)")
+    ap.add_argument("--time-scale", type=float, default=None, help="multiply every phase's length")
+    ap.add_argument("--out", type=Path, default=Path("runs"), help="the report folder goes under here")
+    ap.add_argument("--checkpoints", type=Path, default=None, help="checkpoint folder (default: shipped)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    ap.add_argument("--redis-url", default=None, help="use Redis instead of the in-process transport")
+    ap.add_argument("--db-url", default=None, help="use this database (e.g. PostgreSQL) instead of SQLite")
+    ap.add_argument("--static-k", type=int, default=3, help="k of the static baseline")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-cache", type=Path, default=Path(".spectune_cache"))
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``spectune demo [--quick] [--redis-url URL] [--db-url URL] ...``; prints the report folder."""
+    args = build_parser().parse_args(argv)
+    scale = args.time_scale if args.time_scale is not None else (QUICK_SCALE if args.quick else 1.0)
+    cfg = DemoConfig(out_root=args.out, checkpoints=args.checkpoints, device=args.device, redis_url=args.redis_url,
+                     db_url=args.db_url, time_scale=scale, static_k=args.static_k, seed=args.seed,
+                     prompt_cache=args.prompt_cache)
+    run_dir = run_demo(cfg)
+    print(f"report: {run_dir / 'summary.md'}")
+    return 0

@@ -1,0 +1,260 @@
+"""The demo's report: console tables (rich), PNG plots and a markdown summary in the run folder.
+
+Conventions: **acceptance rate** = accepted drafts / drafted tokens over rows that speculated (k > 0); **mean
+acceptance length** = emitted tokens per speculating row, bonus token included (as vLLM reports it); tokens/s is
+emitted tokens over the phase's wall time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from telemetry.records import REQUEST_TYPES, Bucket
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from controller.demo import DemoConfig, RunLog
+    from controller.sidecar import Sidecar
+    from controller.workload import Phase
+
+BIN_S = 1.0  # plot resolution in seconds (the workload's own time)
+MAX_EVENTS_SHOWN = 12
+
+
+def _bins(t_end: float, scale: float) -> float:
+    return max(BIN_S * min(1.0, scale), 0.25) if t_end > 0 else BIN_S
+
+
+def throughput_rows(phases: Sequence[Phase], logs: Sequence[RunLog]) -> list[list[str]]:
+    rows = []
+    for i, p in enumerate(phases):
+        rows.append([p.name, f"{p.load}", *(f"{log.tokens(i) / p.seconds:.0f}" for log in logs)])
+    total = sum(p.seconds for p in phases)
+    rows.append(["overall", "", *(f"{log.tokens() / total:.0f}" for log in logs)])
+    return rows
+
+
+def acceptance_rows(log: RunLog, update_version: str) -> list[list[str]]:
+    """Per request type, before and after the model update (speculating rows of the learned run)."""
+    out = []
+    for rt in REQUEST_TYPES:
+        cells = []
+        for after in (False, True):
+            sel = [r for r in log.rows if r[3] == rt and r[4] > 0 and (r[2] == update_version) == after]
+            drafted = sum(r[4] for r in sel)
+            cells += [f"{sum(r[5] for r in sel) / drafted:.2f}" if drafted else "-",
+                      f"{sum(r[6] for r in sel) / len(sel):.2f}" if sel else "-"]
+        out.append([rt, *cells])
+    return out
+
+
+def speculation_events(log: RunLog, phases: Sequence[Phase]) -> list[str]:
+    """When the learned table turned speculation off (k -> 0) or back on, per bucket (request types that
+    switched together are listed together)."""
+    ends, acc = [], 0.0
+    for p in phases:
+        acc += p.seconds
+        ends.append(acc)
+    state: dict[str, int] = {}
+    events = []
+    for pv in log.history:
+        t = pv.at - log.started_at
+        phase = next((phases[i].name for i, e in enumerate(ends) if t <= e), phases[-1].name)
+        grouped: dict[tuple[str, int, str, int, int], list[str]] = {}
+        for key, k in sorted(pv.table.entries.items()):
+            if "*" in key:
+                continue
+            old = state.get(key)
+            state[key] = k
+            if old is None or (old == 0) == (k == 0):
+                continue
+            b = Bucket.from_key(key)
+            grouped.setdefault((b.target_version, b.batch_bucket, b.context_bucket, old, k), []).append(b.request_type)
+        for (tv, bb, cb, old, k), types in grouped.items():
+            what = "OFF" if k == 0 else f"ON (k={k})"
+            events.append(f"t={t:5.1f}s ({phase}) v{pv.table.version}: speculation {what} for {tv} "
+                          f"{'/'.join(types)}, batch<={bb}, context {cb} (was k={old})")
+    return events
+
+
+def k_table(sidecar: Sidecar) -> tuple[list[str], list[list[str]]]:
+    """The final learned table as (version, type, context) rows x batch-bucket columns."""
+    cur = sidecar.current
+    if cur is None:
+        return [], []
+    cells: dict[tuple[str, str, str], dict[int, int]] = {}
+    batches: set[int] = set()
+    for key, k in cur.entries.items():
+        if "*" in key:
+            continue
+        b = Bucket.from_key(key)
+        cells.setdefault((b.target_version, b.request_type, b.context_bucket), {})[b.batch_bucket] = k
+        batches.add(b.batch_bucket)
+    cols = sorted(batches)
+    header = ["target", "request type", "context", *(f"b<={c}" for c in cols)]
+    rows = [[t, rt, cb, *(str(ks.get(c, "")) for c in cols)] for (t, rt, cb), ks in sorted(cells.items())]
+    return header, rows
+
+
+def _plots(run_dir: Path, phases: Sequence[Phase], logs: Sequence[RunLog], update_at: float | None,
+           static_k: int) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    total = sum(p.seconds for p in phases)
+    step = max(0.25, min(BIN_S, total / 40))
+    edges = np.arange(0.0, total + step, step)
+    mids = (edges[:-1] + edges[1:]) / 2
+
+    def shade(ax: Any) -> None:
+        t = 0.0
+        for i, p in enumerate(phases):
+            if i % 2:
+                ax.axvspan(t, t + p.seconds, color="0.93", zorder=0)
+            ax.text(t + 0.02 * total, 1.0, p.name, transform=ax.get_xaxis_transform(), fontsize=7, va="bottom")
+            t += p.seconds
+        if update_at is not None:
+            ax.axvline(update_at, color="crimson", ls="--", lw=1)
+
+    def binned(ts: list[float], vals: list[float], weights: list[float] | None = None) -> np.ndarray:
+        ts_a = np.asarray(ts)
+        idx = np.clip(np.digitize(ts_a, edges) - 1, 0, len(mids) - 1)
+        num = np.bincount(idx, weights=np.asarray(vals, float), minlength=len(mids))
+        if weights is None:
+            return num
+        den = np.bincount(idx, weights=np.asarray(weights, float), minlength=len(mids))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(den > 0, num / np.maximum(den, 1e-12), np.nan)
+
+    files = []
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    for log in logs:
+        if log.rounds:
+            ax.plot(mids, binned([r[0] for r in log.rounds], [r[6] for r in log.rounds]) / step, label=log.name)
+    shade(ax)
+    ax.set(xlabel="seconds into the workload", ylabel="tokens / s", title="Throughput, same workload per run")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(run_dir / "throughput.png", dpi=110)
+    plt.close(fig)
+    files.append("throughput.png")
+
+    learned = logs[0]
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    for rt in REQUEST_TYPES:
+        sel = [r for r in learned.rows if r[3] == rt and r[4] > 0]
+        if sel:
+            ax.plot(mids, binned([r[0] for r in sel], [r[5] for r in sel], [r[4] for r in sel]), label=rt)
+    shade(ax)
+    ax.set(xlabel="seconds into the workload", ylabel="accepted / drafted", ylim=(0, 1),
+           title="Acceptance rate per request type (learned run; dashed line: model update)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(run_dir / "acceptance.png", dpi=110)
+    plt.close(fig)
+    files.append("acceptance.png")
+
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    for rt in REQUEST_TYPES:
+        sel = [r for r in learned.rows if r[3] == rt]
+        if sel:
+            ax.plot(mids, binned([r[0] for r in sel], [r[4] for r in sel], [1.0] * len(sel)), label=rt)
+    ax.axhline(static_k, color="0.5", ls=":", label=f"static k={static_k}")
+    shade(ax)
+    ax.set(xlabel="seconds into the workload", ylabel="mean k per row (0 = off)",
+           title="k chosen by the learned policy")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(run_dir / "chosen_k.png", dpi=110)
+    plt.close(fig)
+    files.append("chosen_k.png")
+    return files
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_report(run_dir: Path, cfg: DemoConfig, phases: Sequence[Phase], logs: Sequence[RunLog],
+                 sidecar: Sidecar, best: dict[tuple[str, int, str], tuple[int, float]], console: Console,
+                 update_version: str) -> None:
+    """Print the summary tables and write ``summary.md`` and the PNG plots into ``run_dir``."""
+    from rich.table import Table
+
+    update_i = next((i for i, p in enumerate(phases) if p.update), None)
+    update_at = sum(p.seconds for p in phases[:update_i]) if update_i is not None else None
+    v2 = update_version
+
+    thr_header = ["phase", "load", *(log.name for log in logs)]
+    thr = throughput_rows(phases, logs)
+    acc_header = ["request type", "acc. rate before", "mean acc. len before", "acc. rate after", "mean acc. len after"]
+    acc = acceptance_rows(logs[0], v2)
+    k_header, k_rows = k_table(sidecar)
+    events = speculation_events(logs[0], phases)
+    best_rows = [[t, str(b), c, str(k), f"{g:.0f}"] for (t, b, c), (k, g) in sorted(best.items())]
+    h = sidecar.health()
+
+    for title, header, rows in (
+        ("Tokens per second by phase (higher is better)", thr_header, thr),
+        (f"Acceptance per request type, before/after the model update ({v2})", acc_header, acc),
+        (f"k chosen per bucket (final learned table v{sidecar.version})", k_header, k_rows),
+    ):
+        t = Table(title=title)
+        for c in header:
+            t.add_column(c)
+        for r in rows:
+            t.add_row(*r)
+        console.print(t)
+    if events:
+        console.print("[bold]Speculation turned off / on by the learned policy[/]")
+        for e in events[:MAX_EVENTS_SHOWN]:
+            console.print("  " + e, markup=False, overflow="ignore", crop=False)
+        if len(events) > MAX_EVENTS_SHOWN:
+            console.print(f"  ... {len(events) - MAX_EVENTS_SHOWN} more in summary.md")
+    else:
+        console.print("The learned policy never switched speculation off for a bucket in this run.")
+    overall = [log.tokens() for log in logs]
+    if overall[1]:
+        console.print(f"learned vs static k={cfg.static_k}: [bold]{overall[0] / overall[1]:.2f}x[/] tokens; "
+                      f"vs best per bucket (hindsight): {overall[0] / max(1, overall[2]):.2f}x. "
+                      f"Sidecar: {h['windows_ingested']} window batches, {sidecar.version} policy versions, "
+                      f"{sum(h['rejected'].values())} rejected records.")
+
+    files = _plots(run_dir, phases, logs, update_at, cfg.static_k)
+    md = [
+        "# spectune demo",
+        "",
+        "The reference engine decoded the same mixed workload three times: with k learned live by the sidecar "
+        f"(goodput policy, starting from nothing), with a static k={cfg.static_k}, and with the best k per "
+        "(model version, batch bucket, context bucket) measured in the first two runs (hindsight). Load rose to "
+        "a large batch and fell, long-context requests arrived, and the target model was updated "
+        f"{'at t=' + format(update_at, '.0f') + 's' if update_at is not None else 'never'}.",
+        "",
+        f"Phases: {', '.join(f'{p.name} ({p.seconds:.0f}s, load {p.load})' for p in phases)}.",
+        "",
+        "## Tokens per second", "", _md_table(thr_header, thr), "", "![throughput](throughput.png)", "",
+        "## Acceptance per request type, before and after the model update", "",
+        "Acceptance rate = accepted / drafted; mean acceptance length = emitted tokens per speculating row "
+        "(bonus token included, as vLLM reports it).", "", _md_table(acc_header, acc), "",
+        "![acceptance](acceptance.png)", "",
+        "## k chosen per bucket", "", _md_table(k_header, k_rows) if k_rows else "(no table published)", "",
+        "![chosen k](chosen_k.png)", "",
+        "## Speculation turned off / on", "", *(f"- {e}" for e in events), "" if events else "- never", "",
+        "## Best k per cell found in runs 1-2 (the hindsight table)", "",
+        _md_table(["target", "batch bucket", "context", "k", "tok/s"], best_rows), "",
+        "## Policy versions", "",
+        *(f"- v{pv.table.version} at t={pv.at - logs[0].started_at:.1f}s: {pv.table.reason}" for pv in logs[0].history),
+        "",
+        f"Sidecar: {h['windows_ingested']} window batches ingested, {h['windows_observed']} windows observed, "
+        f"rejected {h['rejected'] or 'none'}.",
+    ]
+    (run_dir / "summary.md").write_text("\n".join(md) + "\n")
+    console.print(f"plots: {', '.join(files)}")
