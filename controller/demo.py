@@ -36,7 +36,7 @@ from telemetry.records import DEFAULT_BUCKETS, RoundRecord
 from telemetry.store import Store
 from telemetry.transport import InProcessTransport, RedisConfig, RedisStreamsTransport, Transport
 
-QUICK_SCALE = 0.12  # --quick: each phase this fraction of its length (the whole demo in well under a minute)
+QUICK_SCALE = 0.1  # --quick: each phase this fraction of its length (the whole demo in well under a minute)
 MIN_ROUNDS_FOR_BEST = 3  # rounds a (cell, k) needs before the hindsight table may pick it
 
 

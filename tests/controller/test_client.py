@@ -107,8 +107,8 @@ def test_follows_redis_and_rejects_tables_pushed_by_hand(redis_url: str, redis_p
         assert wait_for(lambda: c.version == 3, 1.0)  # the nudge, not the 5 s timer
         assert c.decide("code", 8, 10) == 6 and c.status().mode == "following"
         r = redis.Redis.from_url(redis_url)
-        for i, raw in enumerate((b"garbage", table(2, {key: 0}).to_json().encode(),
-                                 json.dumps({**json.loads(table(9, {key: 0}).to_json()), "entries": {key: 42}}).encode())):
+        too_big = json.dumps({**json.loads(table(9, {key: 0}).to_json()), "entries": {key: 42}}).encode()
+        for i, raw in enumerate((b"garbage", table(2, {key: 0}).to_json().encode(), too_big)):
             r.set(policy_key(redis_prefix), raw)
             r.publish(updates_channel(redis_prefix), "99")
             assert wait_for(lambda n=i + 1: sum(c.status().rejected.values()) >= n)

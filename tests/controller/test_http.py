@@ -49,7 +49,10 @@ def call(srv: OperatorServer, method: str, path: str, body: Any = None, raw: byt
         return code, payload.decode()
 
 
-def test_health_policy_pins_history_metrics_deadletter(server: tuple[OperatorServer, Sidecar, InProcessTransport]) -> None:
+Served = tuple[OperatorServer, Sidecar, InProcessTransport]
+
+
+def test_health_policy_pins_history_metrics_deadletter(server: Served) -> None:
     srv, sc, t = server
     assert call(srv, "GET", "/health")[1]["status"] == "ok"
     assert call(srv, "GET", "/policy")[0] == 404  # nothing learnt yet
@@ -88,8 +91,7 @@ def test_health_policy_pins_history_metrics_deadletter(server: tuple[OperatorSer
         (json.dumps({"bucket": 3, "k": 1}).encode(), "bad_bucket_key"),
     ],
 )
-def test_bad_requests_are_400_with_a_reason_and_counted(server: tuple[OperatorServer, Sidecar, InProcessTransport],
-                                                        body: bytes, reason: str) -> None:
+def test_bad_requests_are_400_with_a_reason_and_counted(server: Served, body: bytes, reason: str) -> None:
     srv, sc, _ = server
     code, res = call(srv, "POST", "/pins", raw=body)
     assert code == 400 and res["reason"] == reason and res["error"]
