@@ -29,7 +29,7 @@ from typing import Any
 from controller.client import ClientConfig, EngineHooks, PolicyClient
 from controller.publish import CallbackPublisher, Publisher, RedisPublisher
 from controller.sidecar import PublishedVersion, Sidecar, SidecarConfig
-from controller.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled
+from controller.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled, warm_up
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.ingest import ConsumerConfig
 from telemetry.records import DEFAULT_BUCKETS, RoundRecord
@@ -114,6 +114,7 @@ class _Engine:
         self.cfg = cfg
         self.models = load_models(cfg.checkpoints, cfg.device, with_update=True)
         self.pool = PromptPool(cfg.seed, cfg.prompt_cache)
+        warm_up(self.fresh(), self.pool)
 
     def fresh(self) -> Any:
         from engine.loop import EngineConfig, SpecEngine

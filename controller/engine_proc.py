@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.client import ClientConfig, EngineHooks, PolicyClient
-from controller.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled
+from controller.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled, warm_up
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.records import MAX_NAME_LEN, RoundRecord
 from telemetry.transport import DEFAULT_PREFIX, RedisConfig, RedisStreamsTransport
@@ -136,6 +136,7 @@ def run_engine(cfg: EngineProcConfig, stop: threading.Event | None = None) -> di
         status.on_round(r)
 
     pool = PromptPool(cfg.seed, cfg.prompt_cache)
+    warm_up(engine, pool, cfg.default_k)
     try:
         wall = drive(engine, hooks.decide, phases_for(cfg), RequestStream(pool, cfg.seed), on_round, update,
                      stop.is_set)

@@ -122,6 +122,15 @@ class RequestStream:
         )
 
 
+def warm_up(engine: SpecEngine, pool: PromptPool, k: int = 2) -> None:
+    """Decode a few short requests so one-off costs (allocator, thread pools, kernels) stay out of measurements."""
+    for i, rtype in enumerate(REQUEST_TYPES):
+        engine.submit(Request(f"warm-up-{i}", rtype, pool.get(rtype, False, i), max_new_tokens=8))
+    while not engine.idle():
+        engine.step(lambda *_: k)
+    engine.pop_finished()
+
+
 RoundHook = Callable[[RoundRecord, Phase, float], None]  # (round, phase, seconds since the workload began)
 
 

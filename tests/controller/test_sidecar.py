@@ -156,3 +156,41 @@ def test_two_sidecars_share_the_group_and_versions_only_go_up(redis_url: str, re
     store_a.close()
     store_b.close()
     time.sleep(0)
+
+
+def test_spec_decode_counters_follow_vllm_conventions() -> None:
+    from controller.metrics import SidecarMetrics
+    from telemetry.records import AcceptanceWindow
+
+    m = SidecarMetrics()
+    # 4 rows at k=3: accepted 0, 1, 3, 3 drafts -> hist [1, 1, 0, 2]; emitted = accepted + 1 per row
+    m.on_acceptance(AcceptanceWindow("t", "d", "code", "<=512", 3, 4, 12, 7, 11, (1, 1, 0, 2)))
+    m.on_acceptance(AcceptanceWindow("t", "d", "code", "<=512", 0, 5, 0, 0, 5, (5,)))  # speculation off: no drafts
+    text = m.exposition().decode()
+    lab = 'context_bucket="<=512",draft_version="d",request_type="code",target_version="t"'
+    assert f"spectune_spec_decode_num_drafts_total{{{lab}}} 4.0" in text
+    assert f"spectune_spec_decode_num_draft_tokens_total{{{lab}}} 12.0" in text
+    assert f"spectune_spec_decode_num_accepted_tokens_total{{{lab}}} 7.0" in text  # bonus tokens excluded
+    for pos, n in ((0, 3), (1, 2), (2, 2)):  # rows whose draft at position pos was kept
+        plab = f'context_bucket="<=512",draft_version="d",position="{pos}",request_type="code",target_version="t"'
+        assert f"spectune_spec_decode_num_accepted_tokens_per_pos_total{{{plab}}} {n}.0" in text
+    assert f"spectune_mean_acceptance_length{{{lab}}} 2.75" in text  # 11 emitted / 4 rows, bonus included
+
+
+def test_a_failing_policy_never_takes_the_sidecar_down(sqlite_url: str) -> None:
+    from policies.base import Decision
+    from policies.static import StaticPolicy
+    from telemetry.records import Bucket
+
+    class Broken(StaticPolicy):
+        def _decide(self, bucket: Bucket, explore: bool) -> Decision:
+            raise ZeroDivisionError("bug")
+
+    t = InProcessTransport()
+    with Store(sqlite_url, auto_upgrade=True) as store:
+        sc = Sidecar(SidecarConfig(consumer=FAST), t, store, Broken(), CallbackPublisher())
+        feed(t, 100)
+        sc.drain()
+        assert sc.publish_now("x") is None and sc.current is None
+        assert sc.rejected.get("policy_error", 0) >= 1 and "ZeroDivisionError" in (sc.last_error or "")
+        assert sc.windows_ingested > 0
