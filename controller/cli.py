@@ -200,7 +200,7 @@ def _engine(args: argparse.Namespace) -> int:
     install_stop_signals(stop)
     print(f"engine {cfg.engine_id}: loading models, then decoding workload {cfg.workload!r} "
           f"(windows -> {cfg.prefix}:windows, policy <- {cfg.prefix}:policy)", flush=True)
-    res = run_engine(cfg, stop)
+    res = run_engine(cfg, stop, say=lambda line: print(f"engine {cfg.engine_id}: {line}", flush=True))
     print(f"engine {cfg.engine_id}: {res['rounds']} rounds, {res['tokens']} tokens in {res['wall_s']:.1f}s, "
           f"{res['windows_sent']} windows sent; policy: {res['client']['detail']}", flush=True)
     return 0

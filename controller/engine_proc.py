@@ -15,6 +15,7 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from controller.workload import WORKLOADS, Phase, PromptPool, RequestStream, dri
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.records import MAX_NAME_LEN, RoundRecord
 from telemetry.transport import DEFAULT_PREFIX, RedisConfig, RedisStreamsTransport
+
+PROGRESS_EVERY_S = 10.0  # seconds between progress lines
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,15 @@ class _Status:
             f.write(json.dumps(line) + "\n")
 
 
-def run_engine(cfg: EngineProcConfig, stop: threading.Event | None = None) -> dict[str, Any]:
-    """Load the models, follow the policy, decode the workload, stream telemetry. Returns final counts."""
+def run_engine(cfg: EngineProcConfig, stop: threading.Event | None = None,
+               say: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Load the models, follow the policy, decode the workload, stream telemetry. Returns final counts.
+
+    Args:
+        cfg: the process settings.
+        stop: set it to finish the current round, flush telemetry and return.
+        say: receives a one-line progress summary every ``PROGRESS_EVERY_S`` (the CLI prints it).
+    """
     from engine.loader import load_models
     from engine.loop import EngineConfig, SpecEngine
 
@@ -131,9 +141,17 @@ def run_engine(cfg: EngineProcConfig, stop: threading.Event | None = None) -> di
             engine.swap_target(models.target_v2, models.target_v2_version)
             client.set_versions(models.target_v2_version, models.draft_version)
 
-    def on_round(r: RoundRecord, _phase: Phase, _t: float) -> None:
+    next_say = [PROGRESS_EVERY_S]
+    said = [0, 0.0]  # tokens and time at the last progress line
+
+    def on_round(r: RoundRecord, phase: Phase, t: float) -> None:
         hooks.record(r)
         status.on_round(r)
+        if say is not None and t >= next_say[0]:
+            next_say[0] = t + PROGRESS_EVERY_S
+            tps = (status.tokens - said[0]) / max(1e-9, t - said[1])
+            said[0], said[1] = status.tokens, t
+            say(f"{t:7.1f}s {phase.name}: batch {r.batch_size}, {tps:.0f} tok/s, {hooks.client.status().detail}")
 
     pool = PromptPool(cfg.seed, cfg.prompt_cache)
     warm_up(engine, pool, cfg.default_k)
