@@ -124,11 +124,12 @@ def _plots(run_dir: Path, phases: Sequence[Phase], logs: Sequence[RunLog], updat
 
     def binned(ts: list[float], vals: list[float], weights: list[float] | None = None) -> np.ndarray:
         ts_a = np.asarray(ts)
-        idx = np.clip(np.digitize(ts_a, edges) - 1, 0, len(mids) - 1)
-        num = np.bincount(idx, weights=np.asarray(vals, float), minlength=len(mids))
+        keep = ts_a < edges[-1]  # a round that overran the workload's end is not squeezed into the last bin
+        idx = np.digitize(ts_a[keep], edges) - 1
+        num = np.bincount(idx, weights=np.asarray(vals, float)[keep], minlength=len(mids))[: len(mids)]
         if weights is None:
             return num
-        den = np.bincount(idx, weights=np.asarray(weights, float), minlength=len(mids))
+        den = np.bincount(idx, weights=np.asarray(weights, float)[keep], minlength=len(mids))[: len(mids)]
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(den > 0, num / np.maximum(den, 1e-12), np.nan)
 
