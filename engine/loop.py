@@ -17,6 +17,7 @@ The engine returns a :class:`~telemetry.records.RoundRecord` from every :meth:`S
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -137,7 +138,7 @@ class _Clock:
             self.marks[-1].synchronize()  # type: ignore[attr-defined]
             return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]  # type: ignore[attr-defined]
         m = self.marks
-        return [float(b) - float(a) for a, b in zip(m, m[1:], strict=False)]  # type: ignore[arg-type]
+        return [float(b) - float(a) for a, b in itertools.pairwise(m)]  # type: ignore[arg-type]
 
 
 class SpecEngine:

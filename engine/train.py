@@ -321,6 +321,24 @@ def train_all(
         if cfg.structured_schema not in corpora:
             corpora[cfg.structured_schema] = load_corpus(structured_schema=cfg.structured_schema)
         entry = train_stage(cfg, corpora[cfg.structured_schema], work_dir, out_dir, log)
-        manifest["checkpoints"][cfg.name] = entry
-        manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+        manifest = _merge_manifest(manifest_path, manifest, cfg.name, entry)
     return manifest
+
+
+def _merge_manifest(path: Path, base: dict, name: str, entry: dict[str, object]) -> dict:
+    """Write one stage's entry into the manifest on disk, keeping entries other processes wrote meanwhile.
+
+    Stages that do not depend on each other (the draft and the second target both need only target-v1) may run
+    as separate processes; the lock makes their read-modify-write of the manifest safe.
+    """
+    import fcntl
+
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        current = json.loads(path.read_text()) if path.exists() else {}
+        merged = {**base, **{k: v for k, v in current.items() if k != "checkpoints"}}
+        merged["checkpoints"] = {**base.get("checkpoints", {}), **current.get("checkpoints", {}), name: entry}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(merged, indent=2) + "\n")
+        tmp.replace(path)
+    return merged
