@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from telemetry.store import Store
 from telemetry.transport import InProcessTransport, RedisConfig, RedisStreamsTransport, Transport
 
 QUICK_SCALE = 0.1  # --quick: each phase this fraction of its length (the whole demo in well under a minute)
+QUICK_MAX_BATCH = 24  # --quick: a smaller peak, so prefill and the model update's re-prefill stay short
 MIN_ROUNDS_FOR_BEST = 3  # rounds a (cell, k) needs before the hindsight table may pick it
 
 
@@ -52,7 +53,7 @@ class DemoConfig:
     time_scale: float = 1.0  # multiplies every phase's length
     static_k: int = 3  # the static baseline's k
     k_max: int = 8
-    max_batch: int = 64
+    max_batch: int = 64  # the engine's rows; every phase's load is capped at it
     seed: int = 0
     prompt_cache: Path = Path(".spectune_cache")
     window_s: float = 0.25  # telemetry window
@@ -203,7 +204,7 @@ def run_demo(cfg: DemoConfig) -> Path:
     console = Console()
     run_dir = cfg.out_root / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    phases = scaled(WORKLOADS["demo"], cfg.time_scale)
+    phases = tuple(replace(p, load=min(p.load, cfg.max_batch)) for p in scaled(WORKLOADS["demo"], cfg.time_scale))
     total = sum(p.seconds for p in phases)
     with console.status("loading the models and the held-out prompts"):
         eng = _Engine(cfg)
@@ -288,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     scale = args.time_scale if args.time_scale is not None else (QUICK_SCALE if args.quick else 1.0)
     cfg = DemoConfig(out_root=args.out, checkpoints=args.checkpoints, device=args.device, redis_url=args.redis_url,
                      db_url=args.db_url, time_scale=scale, static_k=args.static_k, seed=args.seed,
-                     prompt_cache=args.prompt_cache)
+                     prompt_cache=args.prompt_cache, max_batch=QUICK_MAX_BATCH if args.quick else 64)
     run_dir = run_demo(cfg)
     print(f"report: {run_dir / 'summary.md'}")
     return 0
