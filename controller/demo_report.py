@@ -117,8 +117,9 @@ def _plots(run_dir: Path, phases: Sequence[Phase], logs: Sequence[RunLog], updat
         for i, p in enumerate(phases):
             if i % 2:
                 ax.axvspan(t, t + p.seconds, color="0.93", zorder=0)
-            ax.text(t + 0.02 * total, 1.0, p.name, transform=ax.get_xaxis_transform(), fontsize=7, va="bottom")
+            ax.text(t + 0.01 * total, 0.98, p.name, transform=ax.get_xaxis_transform(), fontsize=7, va="top")
             t += p.seconds
+        ax.set_xlim(0, total)
         if update_at is not None:
             ax.axvline(update_at, color="crimson", ls="--", lw=1)
 
@@ -151,7 +152,7 @@ def _plots(run_dir: Path, phases: Sequence[Phase], logs: Sequence[RunLog], updat
     for rt in REQUEST_TYPES:
         sel = [r for r in learned.rows if r[3] == rt and r[4] > 0]
         if sel:
-            ax.plot(mids, binned([r[0] for r in sel], [r[5] for r in sel], [r[4] for r in sel]), label=rt)
+            ax.plot(mids, binned([r[0] for r in sel], [r[5] for r in sel], [r[4] for r in sel]), ".-", ms=4, label=rt)
     shade(ax)
     ax.set(xlabel="seconds into the workload", ylabel="accepted / drafted", ylim=(0, 1),
            title="Acceptance rate per request type (learned run; dashed line: model update)")
@@ -165,7 +166,7 @@ def _plots(run_dir: Path, phases: Sequence[Phase], logs: Sequence[RunLog], updat
     for rt in REQUEST_TYPES:
         sel = [r for r in learned.rows if r[3] == rt]
         if sel:
-            ax.plot(mids, binned([r[0] for r in sel], [r[4] for r in sel], [1.0] * len(sel)), label=rt)
+            ax.plot(mids, binned([r[0] for r in sel], [r[4] for r in sel], [1.0] * len(sel)), ".-", ms=4, label=rt)
     ax.axhline(static_k, color="0.5", ls=":", label=f"static k={static_k}")
     shade(ax)
     ax.set(xlabel="seconds into the workload", ylabel="mean k per row (0 = off)",
