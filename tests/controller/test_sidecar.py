@@ -102,7 +102,8 @@ def test_restart_resumes_from_the_group_and_the_latest_version(redis_url: str, r
                                                               sqlite_url: str) -> None:
     cfg = RedisConfig(prefix=redis_prefix)
     engine_side = RedisStreamsTransport(redis_url, cfg)
-    sent = feed(engine_side, 800, per_window=20)
+    sent = feed(engine_side, 400, "engine-a", seed=1, per_window=20)  # two engines feed one sidecar
+    sent += feed(engine_side, 400, "engine-b", seed=2, per_window=20)
     store = Store(sqlite_url, auto_upgrade=True)
     t1 = RedisStreamsTransport(redis_url, cfg)
     sc1 = make(t1, store, RedisPublisher(redis_url, redis_prefix),
