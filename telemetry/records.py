@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -242,102 +243,166 @@ class WindowBatch:
 
 
 # ------------------------------------------------------------------------------------------ validation
-def _req(cond: bool, reason: str, detail: str) -> None:
-    if not cond:
-        raise RecordError(reason, detail)
+# Every check below runs on every record a sidecar ingests (about 50 aggregates per window batch), so the happy
+# path builds no strings: each check is a plain comparison, and the reason and message are made only when it
+# fails. The two hot decoders (acceptance and cost entries) first try a conservative inline guard over the
+# fields they need (exact ``int`` / ``float`` / ``str`` types, the same bounds) and, only when the guard fails,
+# run the helpers in the original order, which raise the same reason as always (or accept an ``int`` subclass,
+# as before). Each check is still defined once, in the helpers and in the relation checks after the guards.
+_INF = math.inf
 
 
 def _name(v: Any, what: str) -> str:
-    _req(isinstance(v, str), "bad_type", f"{what} must be a string, got {type(v).__name__}")
-    _req(0 < len(v) <= MAX_NAME_LEN, "bad_name", f"{what} must be 1..{MAX_NAME_LEN} chars")
-    _req("|" not in v, "bad_name", f"{what} must not contain '|'")
+    if type(v) is str and 0 < len(v) <= MAX_NAME_LEN and "|" not in v:
+        return v
+    if not isinstance(v, str):
+        raise RecordError("bad_type", f"{what} must be a string, got {type(v).__name__}")
+    if not 0 < len(v) <= MAX_NAME_LEN:
+        raise RecordError("bad_name", f"{what} must be 1..{MAX_NAME_LEN} chars")
+    if "|" in v:
+        raise RecordError("bad_name", f"{what} must not contain '|'")
     return str(v)
 
 
 def _int(v: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
-    _req(isinstance(v, int) and not isinstance(v, bool), "bad_type", f"{what} must be an int")
-    _req(v >= lo and (hi is None or v <= hi), "out_of_range", f"{what}={v} outside [{lo}, {hi}]")
+    if type(v) is int and v >= lo and (hi is None or v <= hi):
+        return v
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise RecordError("bad_type", f"{what} must be an int")
+    if v < lo or (hi is not None and v > hi):
+        raise RecordError("out_of_range", f"{what}={v} outside [{lo}, {hi}]")
     return int(v)
 
 
 def _time(v: Any, what: str) -> float:
-    _req(isinstance(v, int | float) and not isinstance(v, bool), "bad_type", f"{what} must be a number")
-    _req(math.isfinite(v), "non_finite", f"{what} is not finite")
-    _req(v >= 0, "negative_time", f"{what}={v} is negative")
+    if type(v) is float and 0.0 <= v < _INF:  # NaN fails both comparisons
+        return v
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        raise RecordError("bad_type", f"{what} must be a number")
+    try:
+        finite = math.isfinite(v)
+    except OverflowError:  # an int beyond any float (JSON allows 400 digits): finite, but not a time
+        raise RecordError("out_of_range", f"{what} does not fit a float") from None
+    if not finite:
+        raise RecordError("non_finite", f"{what} is not finite")
+    if v < 0:
+        raise RecordError("negative_time", f"{what}={v} is negative")
     return float(v)
 
 
 def _stat(d: Any, what: str) -> Stat:
-    _req(isinstance(d, dict), "bad_type", f"{what} must be an object")
-    st = Stat(
-        count=_int(d.get("count"), f"{what}.count"),
-        total=_time(d.get("total"), f"{what}.total"),
-        sumsq=_time(d.get("sumsq"), f"{what}.sumsq"),
-        max=_time(d.get("max"), f"{what}.max"),
-    )
-    return st
+    if not isinstance(d, dict):
+        raise RecordError("bad_type", f"{what} must be an object")
+    c, t, q, m = d.get("count"), d.get("total"), d.get("sumsq"), d.get("max")
+    if not (
+        type(c) is int and c >= 0
+        and type(t) is float and 0.0 <= t < _INF
+        and type(q) is float and 0.0 <= q < _INF
+        and type(m) is float and 0.0 <= m < _INF
+    ):
+        c = _int(c, f"{what}.count")
+        t, q, m = _time(t, f"{what}.total"), _time(q, f"{what}.sumsq"), _time(m, f"{what}.max")
+    return Stat(c, t, q, m)
+
+
+def _nonneg_ints(raw: Any, what: str) -> tuple[int, ...]:
+    """A list of ints >= 0 as a tuple (the guard is the loop; the helper names the first bad element)."""
+    if type(raw) is not list and not isinstance(raw, list | tuple):
+        raise RecordError("bad_type", f"{what} must be a list")
+    for h in raw:
+        if type(h) is not int or h < 0:
+            return tuple(_int(x, f"{what}[i]") for x in raw)
+    return tuple(raw)
 
 
 def acceptance_from_dict(d: Any) -> AcceptanceWindow:
-    _req(isinstance(d, dict), "bad_type", "acceptance entry must be an object")
-    k = _int(d.get("k"), "k", 0, MAX_DRAFT_LEN)
-    rows = _int(d.get("rows"), "rows")
-    drafted = _int(d.get("drafted"), "drafted")
-    accepted = _int(d.get("accepted"), "accepted")
-    emitted = _int(d.get("emitted"), "emitted")
-    hist_raw = d.get("hist")
-    _req(isinstance(hist_raw, list | tuple), "bad_type", "hist must be a list")
-    hist = tuple(_int(h, "hist[i]") for h in hist_raw)
-    _req(len(hist) == k + 1, "bad_hist", f"hist has {len(hist)} bins, expected k + 1 = {k + 1}")
-    _req(drafted == rows * k, "bad_drafted", f"drafted={drafted} != rows * k = {rows * k}")
-    _req(accepted <= drafted, "accepted_gt_drafted", f"accepted={accepted} > drafted={drafted}")
-    _req(sum(hist) == rows, "bad_hist", f"hist sums to {sum(hist)}, expected rows={rows}")
-    _req(sum(i * h for i, h in enumerate(hist)) == accepted, "bad_hist", "hist does not add up to accepted")
-    _req(emitted <= accepted + rows, "emitted_gt_possible", f"emitted={emitted} > accepted + rows")
+    if not isinstance(d, dict):
+        raise RecordError("bad_type", "acceptance entry must be an object")
+    g = d.get
+    k, rows, drafted, accepted, emitted = g("k"), g("rows"), g("drafted"), g("accepted"), g("emitted")
+    if not (
+        type(k) is int and 0 <= k <= MAX_DRAFT_LEN
+        and type(rows) is int and rows >= 0
+        and type(drafted) is int and drafted >= 0
+        and type(accepted) is int and accepted >= 0
+        and type(emitted) is int and emitted >= 0
+    ):
+        k = _int(k, "k", 0, MAX_DRAFT_LEN)
+        rows = _int(rows, "rows")
+        drafted = _int(drafted, "drafted")
+        accepted = _int(accepted, "accepted")
+        emitted = _int(emitted, "emitted")
+    hist = _nonneg_ints(g("hist"), "hist")
+    if len(hist) != k + 1:
+        raise RecordError("bad_hist", f"hist has {len(hist)} bins, expected k + 1 = {k + 1}")
+    if drafted != rows * k:
+        raise RecordError("bad_drafted", f"drafted={drafted} != rows * k = {rows * k}")
+    if accepted > drafted:
+        raise RecordError("accepted_gt_drafted", f"accepted={accepted} > drafted={drafted}")
+    if sum(hist) != rows:
+        raise RecordError("bad_hist", f"hist sums to {sum(hist)}, expected rows={rows}")
+    if sum(map(operator.mul, range(len(hist)), hist)) != accepted:  # sum of i * hist[i]
+        raise RecordError("bad_hist", "hist does not add up to accepted")
+    if emitted > accepted + rows:
+        raise RecordError("emitted_gt_possible", f"emitted={emitted} > accepted + rows")
     return AcceptanceWindow(
-        target_version=_name(d.get("target_version"), "target_version"),
-        draft_version=_name(d.get("draft_version"), "draft_version"),
-        request_type=_name(d.get("request_type"), "request_type"),
-        context_bucket=_name(d.get("context_bucket"), "context_bucket"),
-        k=k, rows=rows, drafted=drafted, accepted=accepted, emitted=emitted, hist=hist,
+        _name(g("target_version"), "target_version"),
+        _name(g("draft_version"), "draft_version"),
+        _name(g("request_type"), "request_type"),
+        _name(g("context_bucket"), "context_bucket"),
+        k, rows, drafted, accepted, emitted, hist,
     )
 
 
 def cost_from_dict(d: Any) -> CostWindow:
-    _req(isinstance(d, dict), "bad_type", "cost entry must be an object")
-    max_k = _int(d.get("max_k"), "max_k", 0, MAX_DRAFT_LEN)
-    rounds = _int(d.get("rounds"), "rounds", 1)
-    tv = _int(d.get("tokens_verified"), "tokens_verified")
-    batch_rows = _int(d.get("batch_rows"), "batch_rows", rounds)
-    _req(tv == batch_rows * (max_k + 1), "bad_tokens_verified", "tokens_verified != batch_rows * (max_k + 1)")
+    if not isinstance(d, dict):
+        raise RecordError("bad_type", "cost entry must be an object")
+    g = d.get
+    max_k, rounds, tv, batch_rows = g("max_k"), g("rounds"), g("tokens_verified"), g("batch_rows")
+    if not (
+        type(max_k) is int and 0 <= max_k <= MAX_DRAFT_LEN
+        and type(rounds) is int and rounds >= 1
+        and type(tv) is int and tv >= 0
+        and type(batch_rows) is int and batch_rows >= rounds
+    ):
+        max_k = _int(max_k, "max_k", 0, MAX_DRAFT_LEN)
+        rounds = _int(rounds, "rounds", 1)
+        tv = _int(tv, "tokens_verified")
+        batch_rows = _int(batch_rows, "batch_rows", rounds)
+    if tv != batch_rows * (max_k + 1):
+        raise RecordError("bad_tokens_verified", "tokens_verified != batch_rows * (max_k + 1)")
     return CostWindow(
-        target_version=_name(d.get("target_version"), "target_version"),
-        draft_version=_name(d.get("draft_version"), "draft_version"),
-        batch_bucket=_int(d.get("batch_bucket"), "batch_bucket", 1),
-        context_bucket=_name(d.get("context_bucket"), "context_bucket"),
+        target_version=_name(g("target_version"), "target_version"),
+        draft_version=_name(g("draft_version"), "draft_version"),
+        batch_bucket=_int(g("batch_bucket"), "batch_bucket", 1),
+        context_bucket=_name(g("context_bucket"), "context_bucket"),
         max_k=max_k, rounds=rounds, tokens_verified=tv,
-        emitted=_int(d.get("emitted"), "emitted"),
+        emitted=_int(g("emitted"), "emitted"),
         batch_rows=batch_rows,
-        draft_s=_stat(d.get("draft_s"), "draft_s"),
-        verify_s=_stat(d.get("verify_s"), "verify_s"),
-        other_s=_stat(d.get("other_s"), "other_s"),
-        latency_p50=_time(d.get("latency_p50"), "latency_p50"),
-        latency_p95=_time(d.get("latency_p95"), "latency_p95"),
-        latency_p99=_time(d.get("latency_p99"), "latency_p99"),
+        draft_s=_stat(g("draft_s"), "draft_s"),
+        verify_s=_stat(g("verify_s"), "verify_s"),
+        other_s=_stat(g("other_s"), "other_s"),
+        latency_p50=_time(g("latency_p50"), "latency_p50"),
+        latency_p95=_time(g("latency_p95"), "latency_p95"),
+        latency_p99=_time(g("latency_p99"), "latency_p99"),
     )
 
 
 def round_from_dict(d: Any) -> RoundRecord:
-    _req(isinstance(d, dict), "bad_type", "round must be an object")
+    if not isinstance(d, dict):
+        raise RecordError("bad_type", "round must be an object")
     rows_raw = d.get("rows")
-    _req(isinstance(rows_raw, list | tuple), "bad_type", "rows must be a list")
+    if not isinstance(rows_raw, list | tuple):
+        raise RecordError("bad_type", "rows must be a list")
     max_k = _int(d.get("max_k"), "max_k", 0, MAX_DRAFT_LEN)
     rows = []
     for r in rows_raw:
-        _req(isinstance(r, dict), "bad_type", "row must be an object")
+        if not isinstance(r, dict):
+            raise RecordError("bad_type", "row must be an object")
         k = _int(r.get("k"), "row.k", 0, max_k)
         acc = _int(r.get("accepted"), "row.accepted", 0)
-        _req(acc <= k, "accepted_gt_drafted", f"row accepted={acc} > k={k}")
+        if acc > k:
+            raise RecordError("accepted_gt_drafted", f"row accepted={acc} > k={k}")
         rows.append(RowRecord(
             request_type=_name(r.get("request_type"), "request_type"),
             context_len=_int(r.get("context_len"), "context_len"),
@@ -383,17 +448,21 @@ def _round_to_dict(r: RoundRecord) -> dict[str, Any]:
 
 def window_batch_from_dict(d: Any) -> WindowBatch:
     """Validate a decoded window batch. Raises :class:`RecordError` with a countable ``reason``."""
-    _req(isinstance(d, dict), "bad_type", "window batch must be an object")
+    if not isinstance(d, dict):
+        raise RecordError("bad_type", "window batch must be an object")
     sv = d.get("schema_version")
-    _req(sv == SCHEMA_VERSION, "unknown_schema_version", f"schema_version={sv!r}, this build reads {SCHEMA_VERSION}")
+    if sv != SCHEMA_VERSION:
+        raise RecordError("unknown_schema_version", f"schema_version={sv!r}, this build reads {SCHEMA_VERSION}")
     acc = d.get("acceptance", [])
     cost = d.get("cost", [])
     sampled = d.get("sampled_rounds", [])
     for v, what in ((acc, "acceptance"), (cost, "cost"), (sampled, "sampled_rounds")):
-        _req(isinstance(v, list | tuple), "bad_type", f"{what} must be a list")
+        if not isinstance(v, list | tuple):
+            raise RecordError("bad_type", f"{what} must be a list")
     start = _time(d.get("window_start"), "window_start")
     end = _time(d.get("window_end"), "window_end")
-    _req(end >= start, "bad_window", "window_end < window_start")
+    if end < start:
+        raise RecordError("bad_window", "window_end < window_start")
     return WindowBatch(
         engine_id=_name(d.get("engine_id"), "engine_id"),
         seq=_int(d.get("seq"), "seq"),
@@ -423,7 +492,9 @@ def decode_window_batch(data: bytes) -> WindowBatch:
         raise RecordError("too_large", f"{len(data)} bytes > cap {MAX_ENCODED_BYTES}")
     try:
         obj = json.loads(bytes(data), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except RecordError:  # NaN / Infinity, from _reject_constant (a RecordError is a ValueError too)
+        raise
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, an int over 4300 digits
         raise RecordError("undecodable", f"not JSON: {e}") from e
     return window_batch_from_dict(obj)
 
@@ -483,21 +554,30 @@ def policy_table_from_json(text: str | bytes) -> PolicyTable:
     """Parse and validate a policy table. Raises :class:`RecordError` with a countable ``reason``."""
     try:
         d = json.loads(text, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except RecordError:  # NaN / Infinity, from _reject_constant (a RecordError is a ValueError too)
+        raise
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, an int over 4300 digits
         raise RecordError("undecodable", f"policy table is not JSON: {e}") from e
-    _req(isinstance(d, dict), "bad_type", "policy table must be an object")
-    _req(d.get("schema_version") == POLICY_SCHEMA_VERSION, "unknown_schema_version",
-         f"policy schema_version={d.get('schema_version')!r}, expected {POLICY_SCHEMA_VERSION}")
+    if not isinstance(d, dict):
+        raise RecordError("bad_type", "policy table must be an object")
+    if d.get("schema_version") != POLICY_SCHEMA_VERSION:
+        raise RecordError("unknown_schema_version",
+                          f"policy schema_version={d.get('schema_version')!r}, expected {POLICY_SCHEMA_VERSION}")
     k_max = _int(d.get("k_max"), "k_max", 0, MAX_DRAFT_LEN)
     entries_raw = d.get("entries")
-    _req(isinstance(entries_raw, dict), "bad_type", "entries must be an object")
+    if not isinstance(entries_raw, dict):
+        raise RecordError("bad_type", "entries must be an object")
     entries = {}
     for key, k in entries_raw.items():
-        Bucket.from_key(key) if WILDCARD not in key.split("|")[3] else None
-        _req(len(key.split("|")) == 5, "bad_bucket_key", f"{key!r} must have 5 parts")
-        entries[key] = _int(k, f"entries[{key!r}]", 0, k_max)
+        parts = key.split("|")
+        if len(parts) != 5:  # checked first: a key with fewer than 4 parts has no batch part to look at
+            raise RecordError("bad_bucket_key", f"{key!r} must have 5 parts")
+        if WILDCARD not in parts[3]:
+            Bucket.from_key(key)
+        entries[key] = k if type(k) is int and 0 <= k <= k_max else _int(k, f"entries[{key!r}]", 0, k_max)
     reason = d.get("reason", "")
-    _req(isinstance(reason, str), "bad_type", "reason must be a string")
+    if not isinstance(reason, str):
+        raise RecordError("bad_type", "reason must be a string")
     return PolicyTable(
         version=_int(d.get("version"), "version"),
         default_k=_int(d.get("default_k"), "default_k", 0, k_max),

@@ -11,7 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from telemetry.aggregate import aggregate
-from telemetry.records import MAX_ENCODED_BYTES, RecordError, WindowBatch, decode_window_batch, window_batch_to_dict
+from telemetry.records import (
+    MAX_ENCODED_BYTES,
+    RecordError,
+    WindowBatch,
+    decode_window_batch,
+    window_batch_from_dict,
+    window_batch_to_dict,
+)
 from telemetry.synthetic import synthetic_rounds
 from telemetry.transport import decode_payload, encode_batch
 
@@ -108,3 +115,53 @@ def test_corrupting_one_field_of_a_valid_batch_never_crashes(section: str, key: 
     d[section][0][key] = value
     with contextlib.suppress(RecordError):
         decode_payload(json.dumps(d).encode())
+
+
+def test_numbers_beyond_a_float_are_rejected_not_crashing() -> None:
+    # A 5000-digit int trips Python's int-parsing limit (a ValueError inside json.loads); a 400-digit one parses
+    # but cannot become a float. Both must be a RecordError, as any other bad input.
+    d = window_batch_to_dict(_batch())
+    text = json.dumps(d, separators=(",", ":")).encode()
+    with pytest.raises(RecordError) as e:
+        decode_payload(text.replace(b'"seq":7', b'"seq":' + b"1" * 5000))
+    assert e.value.reason == "undecodable"
+    with pytest.raises(RecordError) as e:
+        decode_payload(text.replace(b'"window_start":1.0', b'"window_start":1' + b"0" * 400))
+    assert e.value.reason == "out_of_range"
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "reason"),
+    [
+        ("acceptance", "k", True, "bad_type"),  # a bool is not an int, though isinstance says so
+        ("acceptance", "rows", 3.0, "bad_type"),
+        ("acceptance", "k", 17, "out_of_range"),
+        ("acceptance", "hist", [0, -1], "out_of_range"),
+        ("acceptance", "request_type", "a|b", "bad_name"),
+        ("cost", "rounds", 0, "out_of_range"),
+        ("cost", "batch_rows", False, "bad_type"),
+        ("cost", "draft_s", {"count": 1, "total": float("inf"), "sumsq": 0.0, "max": 0.0}, "non_finite"),
+    ],
+)
+def test_the_fast_path_falls_back_to_the_same_reasons(section: str, key: str, value: object, reason: str) -> None:
+    d = window_batch_to_dict(_batch())
+    d[section] = [dict(x) for x in d[section]]
+    d[section][0][key] = value
+    with pytest.raises(RecordError) as e:
+        window_batch_from_dict(d)
+    assert e.value.reason == reason
+
+
+def test_int_subclasses_are_still_accepted_and_converted() -> None:
+    # The inline guards test exact types; anything else goes through the helpers, which accept int subclasses.
+    import enum
+
+    class K(enum.IntEnum):
+        FOUR = 4
+
+    d = window_batch_to_dict(_batch())
+    entry = next(dict(a) for a in d["acceptance"] if a["k"] == 4)
+    entry["k"] = K.FOUR
+    d["acceptance"] = [entry]
+    got = window_batch_from_dict(d).acceptance[0]
+    assert got.k == 4 and type(got.k) is int

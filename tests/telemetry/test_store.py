@@ -134,3 +134,14 @@ def test_pins(db_url: str) -> None:
             s.pin("not-a-key", 1, "x")
         with pytest.raises(RecordError):
             s.pin("t|d|code|8|<=512", 99, "x")
+
+
+def test_bulk_load_columns_match_the_tables() -> None:
+    # Store.ingest_new writes row tuples in these orders, bypassing the ORM: they must name every column but id.
+    from telemetry.schema import AcceptanceWindowRow, CostWindowRow, SampledRoundRow
+    from telemetry.store import ACCEPTANCE_COLUMNS, COST_COLUMNS, SAMPLED_COLUMNS
+
+    for model, cols in ((AcceptanceWindowRow, ACCEPTANCE_COLUMNS), (CostWindowRow, COST_COLUMNS),
+                        (SampledRoundRow, SAMPLED_COLUMNS)):
+        assert len(set(cols)) == len(cols)
+        assert set(cols) == {c.name for c in model.__table__.columns} - {"id"}
