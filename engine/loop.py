@@ -157,7 +157,7 @@ class SpecEngine:
             raise ValueError("target and draft must live on the same device")
         self.cfg = config
         self.device = dev
-        self.target, self.draft = target.eval(), draft.eval()
+        self.target, self.draft = target.prepare_inference(), draft.prepare_inference()
         self.target_version, self.draft_version = target_version, draft_version
         cap = min(config.max_context, target.cfg.max_seq_len, draft.cfg.max_seq_len)
         self.t_cache = target.new_cache(config.max_batch, cap)
@@ -206,7 +206,7 @@ class SpecEngine:
         """Replace the target (a model update); active rows are re-prefilled so no request is lost."""
         if target.cfg != self.target.cfg:
             raise ValueError("the new target must have the same shape as the old one")
-        self.target = target.eval()
+        self.target = target.prepare_inference()
         self.target_version = version
         live = [i for i, s in enumerate(self.slots) if s is not None]
         for i in live:

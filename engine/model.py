@@ -108,6 +108,48 @@ class KVCache:
         self.lengths[row] = length
 
 
+def _onednn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that, on the CPU in fp32 at inference, runs multi-token inputs through oneDNN.
+
+    Why: the BLAS behind fp32 ``F.linear`` on CPU builds is tuned for one token (matrix-vector) but 2-2.5x slower
+    than oneDNN with a pre-packed weight for 2..512 tokens (measured on the development machine: 9 tokens x 192 x
+    1024 takes 124 us vs 59 us). Verifying k + 1 tokens would otherwise cost far more than one token. Results are
+    the same floats; single-token inputs keep the BLAS path, which is the faster one there.
+    """
+
+    _packed: torch.Tensor | None = None
+    _packed_version: int = -1
+
+    def pack(self) -> None:
+        """Pre-pack the weight for oneDNN (CPU, fp32, when available); a no-op elsewhere."""
+        w = self.weight
+        if w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available():
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
+            self._packed_version = w._version
+        else:
+            self._packed = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._packed
+        if (
+            packed is not None
+            and not self.training
+            and x.numel() > x.shape[-1]  # more than one token: the BLAS matrix-vector path is best for one
+            and self.weight._version == self._packed_version  # weights unchanged since packing
+            and x.dtype == torch.float32
+            and not torch.is_grad_enabled()
+        ):
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+PACK_BATCH_HINT = 64  # oneDNN's packing takes a typical row count; measured equally fast from 2 to 576 rows
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -133,7 +175,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate pairs (first half, second half) of the head dimension.
 
     Args:
-        x: ``[B, H, T, D]``.
+        x: ``[..., B, H, T, D]`` (queries and keys may be stacked in front).
         cos, sin: ``[B, 1, T, D/2]`` gathered at each token's absolute position.
     """
     x1, x2 = x.chunk(2, dim=-1)
@@ -146,11 +188,11 @@ class Block(nn.Module):
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.head_dim
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.wqkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wqkv = Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.wo = Linear(cfg.d_model, cfg.d_model, bias=False)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.w13 = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)  # gate and up fused: one matmul
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+        self.w13 = Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)  # gate and up fused: one matmul
+        self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
 
     def forward(
         self,
@@ -166,12 +208,14 @@ class Block(nn.Module):
         # x: [B, T, C]
         b, t, c = x.shape
         qkv = self.wqkv(self.attn_norm(x)).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = apply_rope(qkv[0], cos, sin), apply_rope(qkv[1], cos, sin), qkv[2]  # [B, H, T, D]
+        qk = apply_rope(qkv[:2], cos, sin)  # [2, B, H, T, D]: one rotation for queries and keys
+        q, k, v = qk[0], qk[1], qkv[2]  # [B, H, T, D]
         if cache_kv is not None and write_index is not None:
             ck, cv = cache_kv
-            rows, pos = write_index  # rows: [B, 1], pos: [B, T]
-            ck[rows, :, pos] = k.transpose(1, 2)  # advanced indexing puts the indexed dims first: [B, T, H, D]
-            cv[rows, :, pos] = v.transpose(1, 2)
+            rows, flat = write_index  # rows: [R, 1]; flat: [R * H * T] offsets into the cache viewed [B*H*L', D]
+            # index_copy_ on a flat view is far cheaper than advanced-index assignment (one memcpy per vector).
+            ck.view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
+            cv.view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
             if full_batch:
                 k, v = ck[:, :, :attend_len], cv[:, :, :attend_len]
             else:  # a subset of rows (prefill of newly admitted requests): gather only the used prefix
@@ -196,7 +240,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -206,6 +250,14 @@ class Transformer(nn.Module):
     def _init(m: nn.Module) -> None:
         if isinstance(m, nn.Linear | nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
+
+    def prepare_inference(self) -> Transformer:
+        """Switch to eval mode and pre-pack weights for the fastest CPU kernels (see :class:`Linear`)."""
+        self.eval()
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack()
+        return self
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -280,7 +332,7 @@ class Transformer(nn.Module):
         pad = steps >= real_lens[:, None]  # [R, T]
         write_cpu = pos_cpu.masked_fill(pad, cache.capacity)  # padding writes land in the scratch slot
         rope_pos = pos_cpu.clamp(max=self.cfg.max_seq_len - 1)
-        pos = write_cpu.to(dev, non_blocking=True)
+        pos = write_cpu.to(dev, non_blocking=True)  # [R, T] cache slot of each new token
         dtype = self.embed.weight.dtype
         rp = rope_pos.to(dev, non_blocking=True)
         cos = self.rope_cos[rp].to(dtype)[:, None]  # [R, 1, T, D/2]
@@ -288,11 +340,18 @@ class Transformer(nn.Module):
         # Key j is visible to query (r, i) iff j <= pos[r, i]: the cached prefix plus causality within the
         # new tokens. Padding queries sit at the scratch index; their outputs are discarded.
         key_pos = torch.arange(end, device=dev)
-        mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [R, 1, T, end]
+        visible = key_pos[None, None, :] <= pos[:, :, None]  # [R, T, end]
+        # An additive float mask: CPU SDPA kernels run it markedly faster than a boolean one at decode shapes.
+        mask = torch.zeros(visible.shape, dtype=dtype, device=dev).masked_fill_(~visible, float("-inf"))[:, None]
+        # Flat write offsets into the cache viewed as [B * H * (capacity + 1), D], shared by every layer.
+        n_h, slots = self.cfg.n_heads, cache.capacity + 1
+        heads = torch.arange(n_h)[None, :, None]  # [1, H, 1]
+        flat_cpu = (rows[:, None, None] * n_h + heads) * slots + write_cpu[:, None, :]  # [R, H, T]
+        flat = flat_cpu.reshape(-1).to(dev, non_blocking=True)
         x = self.embed(tokens)
         row_idx = rows.to(dev)[:, None]  # [R, 1]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, (cache.k[i], cache.v[i]), (row_idx, pos), end, full)
+            x = layer(x, cos, sin, mask, (cache.k[i], cache.v[i]), (row_idx, flat), end, full)
         cache.lengths[rows] = new_lens
         return self.head(self.norm(x)).float()
 
