@@ -77,12 +77,12 @@ def stages(scale: float = 1.0) -> list[TrainConfig]:
     return [
         TrainConfig(name="target-v1", preset="target", steps=s(2400), warmup=100),
         TrainConfig(
-            name="draft-v1", preset="draft", steps=s(1200), distill_from="target-v1", lr=4e-3, warmup=100, seed=1
+            name="draft-v1", preset="draft", steps=s(900), distill_from="target-v1", lr=4e-3, warmup=100, seed=1
         ),
         TrainConfig(
             name="target-v2",
             preset="target",
-            steps=s(300),
+            steps=s(200),
             init_from="target-v1",
             lr=1e-3,
             warmup=20,
