@@ -18,6 +18,8 @@ import pytest
 import redis
 from sqlalchemy import create_engine, text
 
+from tests.conftest import service_unavailable
+
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINTS = Path(os.environ.get("SPECTUNE_CHECKPOINTS", str(REPO / "checkpoints")))
 REDIS_URL = os.environ.get("SPECTUNE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -30,7 +32,7 @@ def redis_url() -> str:
     try:
         redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
     except redis.RedisError as e:
-        pytest.skip(f"Redis not reachable at {REDIS_URL} ({e}); start redis-server or set SPECTUNE_TEST_REDIS_URL")
+        service_unavailable(f"Redis not reachable at {REDIS_URL} ({e}); start redis-server or set SPECTUNE_TEST_REDIS_URL")  # noqa: E501
     return REDIS_URL
 
 
@@ -53,7 +55,7 @@ def pg_admin_url() -> str:
             c.execute(text("select 1"))
         eng.dispose()
     except Exception as e:
-        pytest.skip(f"PostgreSQL not reachable at {PG_URL} ({type(e).__name__}); set SPECTUNE_TEST_PG_URL")
+        service_unavailable(f"PostgreSQL not reachable at {PG_URL} ({type(e).__name__}); set SPECTUNE_TEST_PG_URL")
     return PG_URL
 
 

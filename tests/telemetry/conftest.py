@@ -19,6 +19,7 @@ from sqlalchemy import create_engine, text
 
 from telemetry.records import RoundRecord, RowRecord
 from telemetry.transport import RedisConfig, RedisStreamsTransport
+from tests.conftest import service_unavailable
 
 REDIS_URL = os.environ.get("SPECTUNE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 PG_URL = os.environ.get("SPECTUNE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -29,7 +30,7 @@ def redis_url() -> str:
     try:
         redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
     except redis.RedisError as e:
-        pytest.skip(f"Redis not reachable at {REDIS_URL} ({e}); start redis-server or set SPECTUNE_TEST_REDIS_URL")
+        service_unavailable(f"Redis not reachable at {REDIS_URL} ({e}); start redis-server or set SPECTUNE_TEST_REDIS_URL")  # noqa: E501
     return REDIS_URL
 
 
@@ -59,7 +60,7 @@ def pg_admin_url() -> str:
             c.execute(text("select 1"))
         eng.dispose()
     except Exception as e:
-        pytest.skip(f"PostgreSQL not reachable at {PG_URL} ({type(e).__name__}); set SPECTUNE_TEST_PG_URL")
+        service_unavailable(f"PostgreSQL not reachable at {PG_URL} ({type(e).__name__}); set SPECTUNE_TEST_PG_URL")
     return PG_URL
 
 
