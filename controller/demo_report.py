@@ -62,7 +62,7 @@ def speculation_events(log: RunLog, phases: Sequence[Phase]) -> list[str]:
     events = []
     for pv in log.history:
         t = pv.at - log.started_at
-        phase = next((phases[i].name for i, e in enumerate(ends) if t <= e), phases[-1].name)
+        phase = next((phases[i].name for i, e in enumerate(ends) if t <= e), "after the run: last windows")
         grouped: dict[tuple[str, int, str, int, int], list[str]] = {}
         for key, k in sorted(pv.table.entries.items()):
             if "*" in key:
