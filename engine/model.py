@@ -203,7 +203,7 @@ class Block(nn.Module):
         cache_kv: tuple[torch.Tensor, torch.Tensor] | None,
         write_index: tuple[torch.Tensor, torch.Tensor] | None,
         attend_len: int,
-        full_batch: bool = True,
+        row_span: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         # x: [B, T, C]
         b, t, c = x.shape
@@ -216,9 +216,10 @@ class Block(nn.Module):
             # index_copy_ on a flat view is far cheaper than advanced-index assignment (one memcpy per vector).
             ck.view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
             cv.view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
-            if full_batch:
-                k, v = ck[:, :, :attend_len], cv[:, :, :attend_len]
-            else:  # a subset of rows (prefill of newly admitted requests): gather only the used prefix
+            if row_span is not None:  # the rows are a contiguous range of the cache: a view, no copy
+                lo, hi = row_span
+                k, v = ck[lo:hi, :, :attend_len], cv[lo:hi, :, :attend_len]
+            else:  # scattered rows (some slots empty or not drafting): gather only the used prefix
                 k, v = ck[rows[:, 0], :, :attend_len], cv[rows[:, 0], :, :attend_len]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
@@ -314,9 +315,11 @@ class Transformer(nn.Module):
         """
         dev = tokens.device
         r, t = tokens.shape
-        full = rows is None
         if rows is None:
             rows = torch.arange(cache.batch_size)
+        lo = int(rows[0])
+        contiguous = bool((rows == torch.arange(lo, lo + r)).all())
+        span = (lo, lo + r) if contiguous else None
         if real_lens is None:
             real_lens = torch.full((r,), t, dtype=torch.long)
         starts = cache.lengths[rows]  # [R] CPU
@@ -351,7 +354,7 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         row_idx = rows.to(dev)[:, None]  # [R, 1]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, (cache.k[i], cache.v[i]), (row_idx, flat), end, full)
+            x = layer(x, cos, sin, mask, (cache.k[i], cache.v[i]), (row_idx, flat), end, span)
         cache.lengths[rows] = new_lens
         return self.head(self.norm(x)).float()
 
