@@ -2,8 +2,23 @@
 ``alembic check`` compares the migrations against.
 
 Window aggregates are stored flat (one column per statistic) so that SQL can sum them; the acceptance
-histogram is JSON (its length depends on k). Every window row points at the ingested batch it came from;
+histogram is JSON (its length depends on k). Every window row names the ingested batch it came from;
 ``ingested_batches`` carries the unique ``(engine_id, seq)`` that makes ingestion idempotent.
+
+The two window tables are the hot path (about 46 acceptance rows and a few cost rows per window batch, tens of
+thousands per second), so a row holds only its statistics and two small references, and carries only the
+indexes its readers need:
+
+- the key a window is aggregated by (model pair, request type or batch bucket, context bucket, k) lives once in
+  ``acceptance_buckets`` / ``cost_buckets``; a window row holds its ``bucket_id``. The sender and the window's
+  end are the batch's, read through ``batch_id`` from ``ingested_batches``.
+- the primary key (``id`` increases with ingestion; readers resume with ``id > since_id`` and the sidecar asks
+  for ``max(id)``) and one integer index ``(bucket_id, id)`` for "latest windows of this bucket"; a model
+  pair's buckets are a lookup in the small bucket table.
+- ``batch_id`` and ``bucket_id`` are plain columns, not foreign keys: the store writes them in the same
+  transaction that registers the batch and the buckets, so a per-row referential check would only re-prove that,
+  at two trigger queries per row. Deleting a batch therefore does not cascade to its windows; prune windows by
+  ``id`` range (ids follow ingestion order) when retention comes.
 """
 
 from __future__ import annotations
@@ -80,22 +95,47 @@ class IngestedBatchRow(Base):
     ingested_at: Mapped[float] = mapped_column(Float)
 
 
-class AcceptanceWindowRow(Base):
-    __tablename__ = "acceptance_windows"
+class AcceptanceBucketRow(Base):
+    """A key the acceptance windows are aggregated by: model pair, request type, context bucket and k.
+
+    Registered once (the store caches the ids), so a window row carries one small integer instead of the key.
+    """
+
+    __tablename__ = "acceptance_buckets"
     __table_args__ = (
-        # "latest windows of this bucket and k for this model pair": an index range scan backwards on id.
-        Index("ix_acceptance_windows_bucket", "model_version_id", "request_type", "context_bucket", "k", "id"),
-        Index("ix_acceptance_windows_window_end", "window_end"),
+        UniqueConstraint("model_version_id", "request_type", "context_bucket", "k", name="uq_acceptance_buckets_key"),
     )
-    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
-                                    autoincrement=True)
-    batch_id: Mapped[int] = mapped_column(ForeignKey("ingested_batches.id", ondelete="CASCADE"), index=True)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     model_version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id"))
-    engine_id: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
-    window_end: Mapped[float] = mapped_column(Float)
     request_type: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
     context_bucket: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
     k: Mapped[int] = mapped_column(Integer)
+
+
+class CostBucketRow(Base):
+    """A key the cost windows are aggregated by: model pair, batch-size bucket, context bucket and largest k."""
+
+    __tablename__ = "cost_buckets"
+    __table_args__ = (
+        UniqueConstraint("model_version_id", "batch_bucket", "context_bucket", "max_k", name="uq_cost_buckets_key"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id"))
+    batch_bucket: Mapped[int] = mapped_column(Integer)
+    context_bucket: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    max_k: Mapped[int] = mapped_column(Integer)
+
+
+class AcceptanceWindowRow(Base):
+    """One acceptance window aggregate (see :class:`~telemetry.records.AcceptanceWindow`); hot, see the module doc."""
+
+    __tablename__ = "acceptance_windows"
+    # "latest windows of this bucket": an index range scan backwards on id, over integers only.
+    __table_args__ = (Index("ix_acceptance_windows_bucket", "bucket_id", "id"),)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    batch_id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"))  # ingested_batches.id
+    bucket_id: Mapped[int] = mapped_column(Integer)  # acceptance_buckets.id
     rows: Mapped[int] = mapped_column(Integer)
     drafted: Mapped[int] = mapped_column(Integer)
     accepted: Mapped[int] = mapped_column(Integer)
@@ -104,20 +144,14 @@ class AcceptanceWindowRow(Base):
 
 
 class CostWindowRow(Base):
+    """One cost window aggregate (see :class:`~telemetry.records.CostWindow`); hot, see the module doc."""
+
     __tablename__ = "cost_windows"
-    __table_args__ = (
-        Index("ix_cost_windows_bucket", "model_version_id", "batch_bucket", "context_bucket", "max_k", "id"),
-        Index("ix_cost_windows_window_end", "window_end"),
-    )
+    __table_args__ = (Index("ix_cost_windows_bucket", "bucket_id", "id"),)
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
                                     autoincrement=True)
-    batch_id: Mapped[int] = mapped_column(ForeignKey("ingested_batches.id", ondelete="CASCADE"), index=True)
-    model_version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id"))
-    engine_id: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
-    window_end: Mapped[float] = mapped_column(Float)
-    batch_bucket: Mapped[int] = mapped_column(Integer)
-    context_bucket: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
-    max_k: Mapped[int] = mapped_column(Integer)
+    batch_id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"))  # ingested_batches.id
+    bucket_id: Mapped[int] = mapped_column(Integer)  # cost_buckets.id
     rounds: Mapped[int] = mapped_column(Integer)
     tokens_verified: Mapped[int] = mapped_column(BigInteger)
     emitted: Mapped[int] = mapped_column(BigInteger)

@@ -1,5 +1,5 @@
-"""Initial schema: engines, model versions, ingested batches, acceptance and cost windows, sampled rounds,
-policy versions and pins.
+"""Initial schema: engines, model versions, ingested batches, acceptance and cost buckets and windows, sampled
+rounds, policy versions and pins.
 
 Revision ID: 0001_initial
 Revises:
@@ -77,52 +77,58 @@ def upgrade() -> None:
         sa.UniqueConstraint("engine_id", "seq", name="uq_ingested_batches_engine_seq"),
     )
     op.create_table(
-        "acceptance_windows",
-        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False),
-        sa.Column("batch_id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
+        "acceptance_buckets",
+        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
         sa.Column("model_version_id", sa.Integer(), nullable=False),
-        sa.Column("engine_id", sa.String(length=64), nullable=False),
-        sa.Column("window_end", sa.Float(), nullable=False),
         sa.Column("request_type", sa.String(length=64), nullable=False),
         sa.Column("context_bucket", sa.String(length=64), nullable=False),
         sa.Column("k", sa.Integer(), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["model_version_id"],
+            ["model_versions.id"],
+            name=op.f("fk_acceptance_buckets_model_version_id_model_versions"),
+        ),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_acceptance_buckets")),
+        sa.UniqueConstraint(
+            "model_version_id", "request_type", "context_bucket", "k", name="uq_acceptance_buckets_key"
+        ),
+    )
+    op.create_table(
+        "cost_buckets",
+        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
+        sa.Column("model_version_id", sa.Integer(), nullable=False),
+        sa.Column("batch_bucket", sa.Integer(), nullable=False),
+        sa.Column("context_bucket", sa.String(length=64), nullable=False),
+        sa.Column("max_k", sa.Integer(), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["model_version_id"],
+            ["model_versions.id"],
+            name=op.f("fk_cost_buckets_model_version_id_model_versions"),
+        ),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_cost_buckets")),
+        sa.UniqueConstraint("model_version_id", "batch_bucket", "context_bucket", "max_k", name="uq_cost_buckets_key"),
+    )
+    # The hot window tables: no foreign keys, one index besides the primary key (see telemetry/schema.py).
+    op.create_table(
+        "acceptance_windows",
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False),
+        sa.Column("batch_id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
+        sa.Column("bucket_id", sa.Integer(), nullable=False),
         sa.Column("rows", sa.Integer(), nullable=False),
         sa.Column("drafted", sa.Integer(), nullable=False),
         sa.Column("accepted", sa.Integer(), nullable=False),
         sa.Column("emitted", sa.Integer(), nullable=False),
         sa.Column("hist", sa.JSON(), nullable=False),
-        sa.ForeignKeyConstraint(
-            ["batch_id"],
-            ["ingested_batches.id"],
-            name=op.f("fk_acceptance_windows_batch_id_ingested_batches"),
-            ondelete="CASCADE",
-        ),
-        sa.ForeignKeyConstraint(
-            ["model_version_id"],
-            ["model_versions.id"],
-            name=op.f("fk_acceptance_windows_model_version_id_model_versions"),
-        ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_acceptance_windows")),
     )
     with op.batch_alter_table("acceptance_windows", schema=None) as batch_op:
-        batch_op.create_index(batch_op.f("ix_acceptance_windows_batch_id"), ["batch_id"], unique=False)
-        batch_op.create_index(
-            "ix_acceptance_windows_bucket",
-            ["model_version_id", "request_type", "context_bucket", "k", "id"],
-            unique=False,
-        )
-        batch_op.create_index("ix_acceptance_windows_window_end", ["window_end"], unique=False)
+        batch_op.create_index("ix_acceptance_windows_bucket", ["bucket_id", "id"], unique=False)
 
     op.create_table(
         "cost_windows",
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False),
         sa.Column("batch_id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
-        sa.Column("model_version_id", sa.Integer(), nullable=False),
-        sa.Column("engine_id", sa.String(length=64), nullable=False),
-        sa.Column("window_end", sa.Float(), nullable=False),
-        sa.Column("batch_bucket", sa.Integer(), nullable=False),
-        sa.Column("context_bucket", sa.String(length=64), nullable=False),
-        sa.Column("max_k", sa.Integer(), nullable=False),
+        sa.Column("bucket_id", sa.Integer(), nullable=False),
         sa.Column("rounds", sa.Integer(), nullable=False),
         sa.Column("tokens_verified", sa.BigInteger(), nullable=False),
         sa.Column("emitted", sa.BigInteger(), nullable=False),
@@ -142,25 +148,10 @@ def upgrade() -> None:
         sa.Column("latency_p50", sa.Float(), nullable=False),
         sa.Column("latency_p95", sa.Float(), nullable=False),
         sa.Column("latency_p99", sa.Float(), nullable=False),
-        sa.ForeignKeyConstraint(
-            ["batch_id"],
-            ["ingested_batches.id"],
-            name=op.f("fk_cost_windows_batch_id_ingested_batches"),
-            ondelete="CASCADE",
-        ),
-        sa.ForeignKeyConstraint(
-            ["model_version_id"], ["model_versions.id"], name=op.f("fk_cost_windows_model_version_id_model_versions")
-        ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_cost_windows")),
     )
     with op.batch_alter_table("cost_windows", schema=None) as batch_op:
-        batch_op.create_index(batch_op.f("ix_cost_windows_batch_id"), ["batch_id"], unique=False)
-        batch_op.create_index(
-            "ix_cost_windows_bucket",
-            ["model_version_id", "batch_bucket", "context_bucket", "max_k", "id"],
-            unique=False,
-        )
-        batch_op.create_index("ix_cost_windows_window_end", ["window_end"], unique=False)
+        batch_op.create_index("ix_cost_windows_bucket", ["bucket_id", "id"], unique=False)
 
     op.create_table(
         "sampled_rounds",
@@ -186,17 +177,15 @@ def downgrade() -> None:
 
     op.drop_table("sampled_rounds")
     with op.batch_alter_table("cost_windows", schema=None) as batch_op:
-        batch_op.drop_index("ix_cost_windows_window_end")
         batch_op.drop_index("ix_cost_windows_bucket")
-        batch_op.drop_index(batch_op.f("ix_cost_windows_batch_id"))
 
     op.drop_table("cost_windows")
     with op.batch_alter_table("acceptance_windows", schema=None) as batch_op:
-        batch_op.drop_index("ix_acceptance_windows_window_end")
         batch_op.drop_index("ix_acceptance_windows_bucket")
-        batch_op.drop_index(batch_op.f("ix_acceptance_windows_batch_id"))
 
     op.drop_table("acceptance_windows")
+    op.drop_table("cost_buckets")
+    op.drop_table("acceptance_buckets")
     op.drop_table("ingested_batches")
     op.drop_table("policy_versions")
     with op.batch_alter_table("pins", schema=None) as batch_op:
