@@ -16,6 +16,7 @@ Every document is framed as ``BOS bytes EOS`` in a stream of int16 token ids.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import random
 import sysconfig
@@ -54,6 +55,7 @@ def _held_out(name: str) -> bool:
     return zlib.crc32(name.encode()) % HELD_OUT_MOD == 0
 
 
+@functools.cache  # parsing the standard library takes seconds; benchmarks ask many times
 def stdlib_sources() -> list[tuple[str, bytes]]:
     """(relative path, bytes) of the standard library's Python sources, sorted for determinism."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -68,6 +70,7 @@ def stdlib_sources() -> list[tuple[str, bytes]]:
     return out
 
 
+@functools.cache  # parsing the standard library takes seconds; benchmarks ask many times
 def code_docs() -> tuple[list[bytes], list[bytes]]:
     train: list[bytes] = []
     held: list[bytes] = []
@@ -76,6 +79,7 @@ def code_docs() -> tuple[list[bytes], list[bytes]]:
     return train, held
 
 
+@functools.cache  # parsing the standard library takes seconds; benchmarks ask many times
 def prose_docs() -> tuple[list[bytes], list[bytes]]:
     from pydoc_data.topics import topics
 
