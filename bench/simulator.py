@@ -3,13 +3,21 @@
 Every number comes from a calibration file in the engine benchmark's format (``bench/results/engine.json``;
 tests use the labelled fixture ``tests/policies/fixture_engine.json``):
 
-- **acceptance**: ``accept_hist[k]`` per (request type, batch size, context) cell, pooled over batch sizes
-  (acceptance is a row property, keyed by versions, type, context and k). The updated target's histograms
-  (``version_acceptance``) were measured at short context only; its long-context curve applies the v1
-  long/short ratio of per-position conditional acceptance.
+- **acceptance**: per (request type, context) the per-position conditional acceptance, pooled over every k and
+  batch size of the cells (rejection sampling makes position i's acceptance independent of how many drafts
+  follow it, so pooling only removes noise), and turned back into ``P(accepted = a | k)``. The updated
+  target's histograms (``version_acceptance``) were measured at short context only; its long-context curve
+  applies the v1 long/short ratio of per-position conditional acceptance.
 - **cost**: ``round_s[k]`` (draft, verify, other seconds per round for the whole batch), averaged over request
-  types, interpolated log-log in batch size and context length (a power law between and beyond measured points).
-  A round's cost is that of its largest k. Seeded multiplicative noise (``noise`` per round) is the only
+  types, then (``smooth="linear"``, the default) least-squares fitted per (batch, context) as linear in k — the
+  draft runs k steps and verify scores ``batch * (k + 1)`` positions — because a few contended-CPU rounds per k
+  are noisy; ``smooth="none"`` keeps the raw means. Between and beyond measured batch sizes the cost is
+  interpolated / extrapolated log-log (a power law from the nearest two measured sizes).
+- **gaps**: a context class the calibration did not measure (a quick plan measures only ``short``) takes the
+  nearest measured class's cost and acceptance (constant extrapolation in context length); batch sizes the
+  workload uses but the calibration lacks are extrapolated as above. Every such gap is listed in
+  :attr:`Calibration.gaps` and in the benchmark's JSON.
+- A round's cost is that of its largest k. Seeded multiplicative noise (``noise`` per round) is the only
   invented quantity.
 
 The engine batches rows of mixed request types; per round the rows' types are drawn from the workload mix. Every
@@ -51,15 +59,22 @@ class WindowSpec:
     version: str
 
 
+CONTEXT_CLASSES = ("short", "long")  # the engine benchmark's context classes, in order of length
+SMOOTHING = ("linear", "none")
+
+
 class Calibration:
     """Acceptance and cost tables read from an ``engine.json``.
 
     Args:
         path: the calibration file.
         mode: which cells to use (``"sample"`` or ``"greedy"``).
+        smooth: ``"linear"`` fits each (batch, context) cost as linear in k; ``"none"`` keeps the raw means.
     """
 
-    def __init__(self, path: str | Path, mode: str = "sample") -> None:
+    def __init__(self, path: str | Path, mode: str = "sample", smooth: str = "linear") -> None:
+        if smooth not in SMOOTHING:
+            raise ValueError(f"smooth must be one of {SMOOTHING}, got {smooth!r}")
         try:
             data = json.loads(Path(path).read_text())
             cells = [c for c in data["cells"] if c.get("mode", "sample") == mode]
@@ -69,11 +84,14 @@ class Calibration:
         if not cells:
             raise CalibrationError(f"{path} has no {mode!r} cells")
         self.device = str(data.get("device", "?"))
+        self.smooth = smooth
         self.types = sorted({c["request_type"] for c in cells})
         self.batches = sorted({int(c["batch_size"]) for c in cells})
-        self.contexts = sorted({c["context"] for c in cells}, key=lambda x: x != "short")
+        self.measured_contexts = sorted({c["context"] for c in cells}, key=_context_order)
+        self.contexts = self.measured_contexts  # indexable classes of the cost tables
         self.context_len = {c["context"]: int(c["context_len"]) for c in cells}
         self.K = max(int(k) for c in cells for k in c["accept_hist"])
+        self.gaps: list[str] = []
         # cost [B, C, K+1, 3] averaged over request types
         cost = np.zeros((len(self.batches), len(self.contexts), self.K + 1, 3))
         n = np.zeros((len(self.batches), len(self.contexts)))
@@ -86,39 +104,69 @@ class Calibration:
             n[bi, ci] += 1
             for k, h in c["accept_hist"].items():
                 hist[c["request_type"]][c["context"]][int(k), : len(h)] += h
-        self.cost = cost / n[:, :, None, None]
+        missing = [(b, cx) for b in self.batches for cx in self.contexts if n[self.batches.index(b),
+                                                                                 self.contexts.index(cx)] == 0]
+        if missing:
+            raise CalibrationError(f"{path}: cells missing for (batch, context) {missing}; rerun the engine bench")
+        self.raw_cost = cost / n[:, :, None, None]
+        self.cost = _linear_in_k(self.raw_cost) if smooth == "linear" else self.raw_cost
         self._pmf: dict[tuple[str, str, str], np.ndarray] = {}  # (version, type, ctx) -> [K+1, K+1] pmf rows
         for t in self.types:
             for cx in self.contexts:
-                self._pmf[(BASE_VERSION, t, cx)] = _normalise(hist[t][cx])
+                self._pmf[(BASE_VERSION, t, cx)] = _pmf_from_cond(_cond(hist[t][cx]), self.K)
         for ver, by_type in data.get("version_acceptance", {}).items():
             for t, hs in by_type.items():
                 h2 = np.zeros((self.K + 1, self.K + 1))
                 for k, h in hs.items():
                     h2[int(k), : len(h)] += h
-                short = _normalise(h2)
+                short = _pmf_from_cond(_cond(h2), self.K)
                 for cx in self.contexts:
                     ratio = _cond(self._pmf[(BASE_VERSION, t, cx)]) / np.maximum(
                         _cond(self._pmf[(BASE_VERSION, t, self.contexts[0])]), 1e-6)
                     self._pmf[(ver, t, cx)] = short if cx == self.contexts[0] else _pmf_from_cond(
                         np.clip(_cond(short) * ratio, 0.0, 1.0), self.K)
         self.versions = sorted({v for v, _, _ in self._pmf})
+        self._alias = {cx: cx for cx in self.measured_contexts}
+        for cx in CONTEXT_CLASSES:
+            if cx not in self._alias:  # nearest measured class in the benchmark's order of length
+                near = min(self.measured_contexts, key=lambda m: abs(_context_order(m) - _context_order(cx)))
+                self._alias[cx] = near
+                self.context_len[cx] = _unmeasured_context_len(cx, near, self.context_len[near])
+                self.gaps.append(f"context {cx!r} not measured: cost and acceptance of {near!r} "
+                                 f"(constant extrapolation), bucketed at {self.context_len[cx]} tokens")
+        if smooth == "linear":
+            self.gaps.append("cost per (batch, context) least-squares linear in k (raw means are noisy)")
+
+    def note_batches(self, batch_sizes: Sequence[int]) -> None:
+        """Record in :attr:`gaps` the workload's batch sizes the calibration lacks (inter/extrapolated)."""
+        lo, hi = self.batches[0], self.batches[-1]
+        for b in sorted(set(batch_sizes) - set(self.batches)):
+            how = "interpolated" if lo < b < hi else "extrapolated"
+            note = f"batch {b} not measured: cost {how} log-log from batches {self.batches}"
+            if note not in self.gaps:
+                self.gaps.append(note)
+
+    def _ctx(self, context: str) -> str:
+        try:
+            return self._alias[context]
+        except KeyError as e:
+            raise CalibrationError(f"unknown context class {context!r}; known: {sorted(self._alias)}") from e
 
     def pmf(self, version: str, rtype: str, context: str, k: int) -> np.ndarray:
         """``[k + 1]`` P(accepted = a) for a row drafting k tokens."""
-        return self._pmf[(version, rtype, context)][k, : k + 1]
+        return self._pmf[(version, rtype, self._ctx(context))][k, : k + 1]
 
     def emitted(self, version: str, context: str) -> np.ndarray:
         """``[T, K + 1]`` expected emitted tokens per row for each request type and k."""
         out = np.ones((len(self.types), self.K + 1))
         for i, t in enumerate(self.types):
-            p = self._pmf[(version, t, context)]
+            p = self._pmf[(version, t, self._ctx(context))]
             out[i] = 1.0 + (p * np.arange(self.K + 1)[None, :]).sum(axis=1)
         return out
 
     def round_s(self, batch_size: float, context: str) -> np.ndarray:
         """``[K + 1, 3]`` (draft, verify, other) seconds per round, log-log interpolated in batch size."""
-        ci = self.contexts.index(context)
+        ci = self.contexts.index(self._ctx(context))
         lb = np.log(np.asarray(self.batches, dtype=float))
         x = np.log(max(batch_size, 1.0))
         i = int(np.clip(np.searchsorted(lb, x) - 1, 0, max(len(lb) - 2, 0)))
@@ -131,24 +179,56 @@ class Calibration:
         return out
 
     def bucket_label(self, context: str) -> str:
+        self._ctx(context)
         return DEFAULT_BUCKETS.context_bucket(self.context_len[context])
 
 
-def _normalise(h: np.ndarray) -> np.ndarray:
-    """Row k of ``h`` ``[K+1, K+1]`` -> pmf over 0..k (k = 0 is all mass at 0)."""
-    p = np.zeros_like(h)
-    p[0, 0] = 1.0
-    for k in range(1, h.shape[0]):
-        s = h[k, : k + 1].sum()
-        if s > 0:
-            p[k, : k + 1] = h[k, : k + 1] / s
-        else:  # unmeasured k: extend the largest measured k below it
-            p[k, : k + 1] = _pmf_from_cond(_cond(p), k)[k, : k + 1]
-    return p
+def _context_order(cx: str) -> int:
+    return CONTEXT_CLASSES.index(cx) if cx in CONTEXT_CLASSES else len(CONTEXT_CLASSES)
+
+
+def _unmeasured_context_len(cx: str, near: str, near_len: int) -> int:
+    """Bucketing length of an unmeasured class: its prompt length plus what ``near`` generated beyond its prompt."""
+    from bench.engine import CONTEXTS  # prompt bytes per class (imports nothing heavy)
+
+    if cx in CONTEXTS and near in CONTEXTS:
+        return CONTEXTS[cx] + max(0, near_len - CONTEXTS[near])
+    return near_len
+
+
+def _linear_in_k(cost: np.ndarray) -> np.ndarray:
+    """Least-squares fit of each ``[K+1]`` cost series of ``cost`` ``[B, C, K+1, 3]`` as linear in k.
+
+    draft: ``a + b k`` for k >= 1 (0 at k = 0: no draft runs); verify: ``a + b k``; other: its mean. Slopes
+    are clipped at 0 (more drafts never make a round cheaper); a fitted value never goes below 0.
+    """
+    out = np.empty_like(cost)
+    kk = np.arange(cost.shape[2], dtype=float)
+    for bi in range(cost.shape[0]):
+        for ci in range(cost.shape[1]):
+            d, v, o = cost[bi, ci, :, 0], cost[bi, ci, :, 1], cost[bi, ci, :, 2]
+            out[bi, ci, :, 0] = 0.0
+            out[bi, ci, 1:, 0] = _line(kk[1:], d[1:])
+            out[bi, ci, :, 1] = _line(kk, v)
+            out[bi, ci, :, 2] = float(o.mean())
+    return out
+
+
+def _line(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``[N]`` values of the least-squares line through ``(x, y)`` with a slope clipped at 0, floored at 0."""
+    if x.size < 2:
+        return np.maximum(y, 0.0)
+    slope, icpt = np.polyfit(x, y, 1)
+    if slope < 0:
+        slope, icpt = 0.0, float(y.mean())
+    return np.maximum(icpt + slope * x, 0.0)
 
 
 def _cond(p: np.ndarray) -> np.ndarray:
-    """``[K]`` per-position conditional acceptance pooled over every k's pmf ``p`` ``[K+1, K+1]``."""
+    """``[K]`` per-position conditional acceptance pooled over every k of ``p`` ``[K+1, K+1]``.
+
+    Row k of ``p`` is a histogram (counts: rows weigh by their number) or a pmf over accepted = 0..k.
+    """
     K = p.shape[0] - 1
     s, n = np.zeros(K), np.zeros(K)
     for k in range(1, K + 1):
@@ -186,34 +266,72 @@ class SimResult:
         return float(self.tokens.sum() / self.seconds.sum())
 
 
+MIXES = {  # request mixes of the workload (fractions of rows per type)
+    "balanced": {"code": 0.4, "prose": 0.4, "structured": 0.2},
+    "code_heavy": {"code": 0.7, "prose": 0.1, "structured": 0.2},
+}
+PHASES = (  # (name, share of rounds, batch sizes, P(long context), mix, target version)
+    ("low load", 0.10, (1, 4), 0.0, "balanced", BASE_VERSION),
+    ("load rising", 0.15, (4, 16, 64), 0.0, "balanced", BASE_VERSION),
+    ("long contexts arrive", 0.15, (1, 16, 64), 0.6, "balanced", BASE_VERSION),
+    ("mix turns code-heavy", 0.15, (1, 4, 16, 32, 64), 0.3, "code_heavy", BASE_VERSION),
+    ("load falling", 0.10, (1, 4), 0.2, "code_heavy", BASE_VERSION),
+    ("model update", 0.35, (1, 4, 16, 64), 0.4, "balanced", "target-v2"),
+)
+
+
 def workload(types: Sequence[str], total_rounds: int, seed: int, window_rounds: int = NOMINAL_ROUNDS_PER_WINDOW,
-             update_version: str = "target-v2") -> list[WindowSpec]:
-    """Phases: low load, load rising, long contexts arriving, request-mix change, load falling, model update."""
+             update_version: str = "target-v2", batch_cap: int | None = None,
+             long_batch_cap: int | None = None) -> list[WindowSpec]:
+    """Window specs through :data:`PHASES`: low load, load rising, long contexts arriving, request-mix change,
+    load falling, model update. Load stays put for 3-10 windows at a time.
+
+    Args:
+        types: request types (the calibration's, in its order).
+        total_rounds: workload length in nominal rounds (``window_rounds`` per window).
+        seed: seeds the draws of batch size and context per stretch of windows.
+        window_rounds: nominal rounds per window, only to size the workload.
+        update_version: the target version of the last phase.
+        batch_cap: largest batch served (a shorter engine run); larger draws run at the cap. None: no cap.
+        long_batch_cap: largest batch served at long context (a CPU engine cannot prefill 64 long prompts in
+            reasonable time); long windows above it run at the cap. None: no cap.
+    """
     rng = np.random.default_rng(seed)
     t = list(types)
 
-    def mix(**w: float) -> tuple[float, ...]:
-        v = np.array([w.get(x, 0.0) for x in t]) + 1e-9
+    def mix(name: str) -> tuple[float, ...]:
+        v = np.array([MIXES[name].get(x, 0.0) for x in t]) + 1e-9
         return tuple(float(x) for x in v / v.sum())
 
-    balanced, code_heavy = mix(code=0.4, prose=0.4, structured=0.2), mix(code=0.7, prose=0.1, structured=0.2)
-    phases = [  # (share of rounds, batch sizes, P(long), mix, version)
-        (0.10, (1, 4), 0.0, balanced, BASE_VERSION),
-        (0.15, (4, 16, 64), 0.0, balanced, BASE_VERSION),
-        (0.15, (1, 16, 64), 0.6, balanced, BASE_VERSION),
-        (0.15, (1, 4, 16, 32, 64), 0.3, code_heavy, BASE_VERSION),
-        (0.10, (1, 4), 0.2, code_heavy, BASE_VERSION),
-        (0.35, (1, 4, 16, 64), 0.4, balanced, update_version),
-    ]
     out: list[WindowSpec] = []
-    for share, batches, p_long, m, ver in phases:
+    for _, share, batches, p_long, m, ver in PHASES:
+        version = update_version if ver != BASE_VERSION else ver
         n_windows = max(1, round(share * total_rounds / window_rounds))
         while n_windows > 0:
             run = min(n_windows, int(rng.integers(3, 11)))  # load stays put for a few windows at a time
-            spec = WindowSpec(int(rng.choice(batches)), "long" if rng.random() < p_long else "short", m, ver)
-            out.extend([spec] * run)
+            bsz, ctx = int(rng.choice(batches)), "long" if rng.random() < p_long else "short"
+            if batch_cap is not None:
+                bsz = min(bsz, batch_cap)
+            if ctx == "long" and long_batch_cap is not None:
+                bsz = min(bsz, long_batch_cap)
+            out.extend([WindowSpec(bsz, ctx, mix(m), version)] * run)
             n_windows -= run
     return out
+
+
+def describe_workload(specs: Sequence[WindowSpec], types: Sequence[str]) -> dict[str, Any]:
+    """JSON-safe description of a workload: its phases and the share of windows per (version, batch, context)."""
+    cells: dict[str, int] = {}
+    for s in specs:
+        key = f"{s.version}|batch {s.batch_size}|{s.context}"
+        cells[key] = cells.get(key, 0) + 1
+    return {
+        "phases": [{"name": n, "share": sh, "batch_sizes": list(b), "p_long": pl, "mix": MIXES[m], "version": v}
+                   for n, sh, b, pl, m, v in PHASES],
+        "types": list(types),
+        "windows": len(specs),
+        "window_share": {k: round(v / len(specs), 4) for k, v in sorted(cells.items())},
+    }
 
 
 def expected_goodput(cal: Calibration, spec: WindowSpec, ks: Sequence[int]) -> float:

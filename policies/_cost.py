@@ -64,12 +64,15 @@ class CostModel:
     def observe(self, batch_bucket: int, ctx: str, k: int, rounds: int, batch_rows: int,
                 draft_s: float, verify_s: float, other_s: float) -> None:
         key = f"{batch_bucket}|{ctx}|{k}"
+        new_key = key not in self._agg
         old = self._agg.get(key, [0.0] * 5)
         self._agg[key] = [o * self.decay + x for o, x in zip(old, (rounds, batch_rows, draft_s, verify_s, other_s),
                                                              strict=True)]
         self._since_fit += 1
         self._n_seen += 1
-        if self._since_fit >= min(self.refit_every, max(1, self._n_seen // 4)):
+        # A (cell, k) never seen before refits at once: until then a new cell is predicted from the others only,
+        # and the first measurement of a cell or of a k is what corrects an extrapolation most.
+        if new_key or self._since_fit >= min(self.refit_every, max(1, self._n_seen // 4)):
             self.refit()
 
     def ks_seen(self, batch_bucket: int, ctx: str) -> set[int]:
@@ -94,14 +97,19 @@ class CostModel:
         rounds = vals[:, 0]
         y = vals[:, 2:5] / rounds[:, None]  # [N, 3] mean seconds per round
         scale = float(np.median(y.sum(axis=1)))
-        x = _features(np.log2(vals[:, 1] / rounds), np.array([math.log2(context_len_of(p[1])) / 4 for p in parts]),
-                      np.array([float(p[2]) for p in parts]), np.array([cidx[f"{p[0]}|{p[1]}"] for p in parts]),
-                      len(cells))
+        lb = np.log2(vals[:, 1] / rounds)
+        lc = np.array([math.log2(context_len_of(p[1])) / 4 for p in parts])
+        # Centred on what was observed: a direction never varied (one context bucket so far) has zero features,
+        # so ridge leaves its coefficients at 0 and an unseen cell is predicted like its nearest seen ones
+        # instead of along an unidentified slope.
+        center = [float(lb.mean()), float(lc.mean())]
+        x = _features(lb - center[0], lc - center[1], np.array([float(p[2]) for p in parts]),
+                      np.array([cidx[f"{p[0]}|{p[1]}"] for p in parts]), len(cells))
         tot = y.sum(axis=1)
         weight = rounds * (scale / np.maximum(tot, 1e-12)) ** 2  # relative errors: every cell counts
         model = Ridge(alpha=self.alpha).fit(x, y / scale, sample_weight=weight / weight.mean())
         self._fit = {"cells": cells, "coef": model.coef_.tolist(), "intercept": model.intercept_.tolist(),
-                     "scale": scale}
+                     "scale": scale, "center": center}
 
     def predict(self, batch_bucket: int, ctx: str, batch_size: float | None = None) -> np.ndarray:
         """``[k_max + 1, 3]`` predicted (draft, verify, other) seconds per round for k = 0..k_max.
@@ -116,8 +124,9 @@ class CostModel:
         ci = cells.index(cell) if cell in cells else -1
         b = batch_size if batch_size is not None else self.mean_batch(batch_bucket, ctx)
         n = ks.size
-        x = _features(np.full(n, math.log2(max(b, 1.0))), np.full(n, math.log2(context_len_of(ctx)) / 4), ks,
-                      np.full(n, ci), len(cells))
+        c_lb, c_lc = self._fit.get("center", (0.0, 0.0))
+        x = _features(np.full(n, math.log2(max(b, 1.0)) - c_lb), np.full(n, math.log2(context_len_of(ctx)) / 4 - c_lc),
+                      ks, np.full(n, ci), len(cells))
         y = (x @ np.asarray(self._fit["coef"]).T + np.asarray(self._fit["intercept"])) * self._fit["scale"]
         y = np.maximum(y, 0.0)
         y[0, 0] = 0.0  # no draft steps at k = 0

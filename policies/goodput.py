@@ -139,6 +139,7 @@ class GoodputPolicy(Policy):
             only = next(iter(seen))
             alt = int(np.argmax(g_shared[1:]) + 1) if only == 0 else 0
             new, reason, exploring, st["probed"] = [alt] * len(types), f"cost probe at k={alt}", True, True
+            st["hold"] = 0  # a probe lasts one decision; holding it would serve a k chosen to measure, not to win
         st["off"] = st["off"] + 1 if max(new) == 0 else 0
         if st["off"] >= self.probe_every:
             alt = int(np.argmax(g_shared[1:]) + 1)

@@ -1,0 +1,86 @@
+"""The policy benchmark's pieces: calibration gaps, the operator's schedule, and the engine replay (tiny models)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.policies import EnginePlan, _EngineRun, schedule_from_best
+from bench.simulator import Calibration, WindowSpec, workload
+from policies import GoodputPolicy, StaticPolicy
+
+FIXTURE = Path(__file__).with_name("fixture_engine.json")
+
+
+def test_calibration_with_gaps_extrapolates_and_says_so(tmp_path: Path) -> None:
+    # A quick engine plan: short context only, batch 1 and 16 only.
+    doc = json.loads(FIXTURE.read_text())
+    doc["cells"] = [c for c in doc["cells"] if c["context"] == "short" and c["batch_size"] in (1, 16)]
+    path = tmp_path / "quick.json"
+    path.write_text(json.dumps(doc))
+    cal = Calibration(path)
+    cal.note_batches([1, 4, 16, 64])
+    assert cal.measured_contexts == ["short"]
+    assert any("'long' not measured" in g for g in cal.gaps)
+    assert any("batch 64 not measured" in g and "extrapolated" in g for g in cal.gaps)
+    assert any("batch 4 not measured" in g and "interpolated" in g for g in cal.gaps)
+    # long context: short's cost and acceptance, but its own (longer) bucket
+    assert np.allclose(cal.round_s(16, "long"), cal.round_s(16, "short"))
+    assert np.allclose(cal.pmf("target-v2", "code", "long", 4), cal.pmf("target-v2", "code", "short", 4))
+    assert cal.bucket_label("long") != cal.bucket_label("short")
+    # batch 64 follows the power law through 1 and 16; smoothed cost is linear in k
+    v = [cal.round_s(b, "short")[4, 1] for b in (1, 4, 16, 64)]
+    assert all(np.diff(v) > 0)
+    verify = cal.round_s(16, "short")[:, 1]
+    assert np.allclose(np.diff(verify, 2), 0.0, atol=1e-12)
+    with pytest.raises(ValueError):
+        Calibration(path, smooth="spline")
+
+
+def test_raw_costs_kept_when_not_smoothed() -> None:
+    cal = Calibration(FIXTURE, smooth="none")
+    assert np.array_equal(cal.cost, cal.raw_cost)
+
+
+def test_schedule_from_best_fills_gaps_and_merges() -> None:
+    sched = schedule_from_best({1: 4, 4: 4, 16: 2, 64: 0})
+    assert sched == [[1, 8, 4], [9, 32, 2], [33, 256, 0]]
+    assert schedule_from_best({4: 3}) == [[1, 256, 3]]
+
+
+def test_workload_caps_batch_sizes() -> None:
+    specs = workload(["code", "prose", "structured"], 20_000, seed=0, batch_cap=32, long_batch_cap=4)
+    assert max(s.batch_size for s in specs) <= 32
+    assert all(s.batch_size <= 4 for s in specs if s.context == "long")
+    assert {s.version for s in specs} == {"target-v1", "target-v2"}
+
+
+@pytest.fixture(scope="module")
+def tiny_models() -> object:
+    import torch
+
+    from engine.loader import DeviceChoice, Models
+    from engine.model import MODEL_PRESETS, Transformer
+
+    torch.manual_seed(0)
+    target, draft, v2 = (Transformer(MODEL_PRESETS["tiny"]).eval() for _ in range(3))
+    return Models(target, draft, v2, DeviceChoice(torch.device("cpu"), torch.float32), {})
+
+
+def test_engine_replay_is_closed_loop_and_seeded(tiny_models: object) -> None:
+    plan = EnginePlan(windows=4, window_s=0.01, sweep_ks=(0, 2), batch_cap=4, long_batch_cap=2,
+                      prompt_bytes=(("short", 16), ("long", 64)), max_new_tokens=8)
+    prompts = {(t, cx): [bytes([65 + i]) * n for i in range(4)]
+               for t in ("code", "prose", "structured") for cx, n in plan.prompt_bytes}
+    mix = (0.4, 0.4, 0.2)
+    specs = [WindowSpec(4, "short", mix, "target-v1"), WindowSpec(2, "long", mix, "target-v1"),
+             WindowSpec(4, "short", mix, "target-v2"), WindowSpec(1, "short", mix, "target-v2")]
+    a = _EngineRun(tiny_models, plan, prompts, seed=3).run(StaticPolicy(k=2), specs)
+    assert (a.rounds > 0).all() and (a.tokens >= a.rounds).all() and (a.seconds >= plan.window_s).all()
+    assert all(set(ks.values()) == {2} for ks in a.ks)
+    assert all(key.startswith("target-v2|") for ks in a.ks[2:] for key in ks)  # the model update happened
+    g = _EngineRun(tiny_models, plan, prompts, seed=3).run(GoodputPolicy(seed=1), specs)
+    assert all(0 <= k <= 8 for ks in g.ks for k in ks.values())
