@@ -26,5 +26,12 @@ test: install lint
 demo: install
 	$(BIN)/spectune demo
 
+# Benchmarks are not tests: each writes JSON + PNG under bench/results/ and prints a table (see README).
+bench: install
+	$(BIN)/spectune bench engine
+	$(BIN)/spectune bench telemetry
+	$(BIN)/spectune bench policies
+	$(BIN)/spectune bench controller
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
