@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.policies import EnginePlan, _EngineRun, schedule_from_best
+from bench.policies import EnginePlan, replay_interleaved, schedule_from_best
 from bench.simulator import Calibration, WindowSpec, workload
 from policies import GoodputPolicy, StaticPolicy
 
@@ -78,9 +78,10 @@ def test_engine_replay_is_closed_loop_and_seeded(tiny_models: object) -> None:
     mix = (0.4, 0.4, 0.2)
     specs = [WindowSpec(4, "short", mix, "target-v1"), WindowSpec(2, "long", mix, "target-v1"),
              WindowSpec(4, "short", mix, "target-v2"), WindowSpec(1, "short", mix, "target-v2")]
-    a = _EngineRun(tiny_models, plan, prompts, seed=3).run(StaticPolicy(k=2), specs)
+    pols = {"static": StaticPolicy(k=2), "goodput": GoodputPolicy(seed=1)}
+    out = replay_interleaved(tiny_models, plan, prompts, 3, pols, specs)
+    a = out["static"]
     assert (a.rounds > 0).all() and (a.tokens >= a.rounds).all() and (a.seconds >= plan.window_s).all()
     assert all(set(ks.values()) == {2} for ks in a.ks)
     assert all(key.startswith("target-v2|") for ks in a.ks[2:] for key in ks)  # the model update happened
-    g = _EngineRun(tiny_models, plan, prompts, seed=3).run(GoodputPolicy(seed=1), specs)
-    assert all(0 <= k <= 8 for ks in g.ks for k in ks.values())
+    assert all(0 <= k <= 8 for ks in out["goodput"].ks for k in ks.values())
