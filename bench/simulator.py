@@ -91,7 +91,6 @@ class Calibration:
         self.contexts = self.measured_contexts  # indexable classes of the cost tables
         self.context_len = {c["context"]: int(c["context_len"]) for c in cells}
         self.K = max(int(k) for c in cells for k in c["accept_hist"])
-        self.gaps: list[str] = []
         # cost [B, C, K+1, 3] averaged over request types
         cost = np.zeros((len(self.batches), len(self.contexts), self.K + 1, 3))
         n = np.zeros((len(self.batches), len(self.contexts)))
@@ -104,10 +103,15 @@ class Calibration:
             n[bi, ci] += 1
             for k, h in c["accept_hist"].items():
                 hist[c["request_type"]][c["context"]][int(k), : len(h)] += h
-        missing = [(b, cx) for b in self.batches for cx in self.contexts if n[self.batches.index(b),
-                                                                                 self.contexts.index(cx)] == 0]
-        if missing:
-            raise CalibrationError(f"{path}: cells missing for (batch, context) {missing}; rerun the engine bench")
+        self.gaps: list[str] = []
+        for bi, b in enumerate(self.batches):  # a batch measured at one context only: the other takes its cost
+            have = [ci for ci in range(len(self.contexts)) if n[bi, ci] > 0]
+            for ci in range(len(self.contexts)):
+                if n[bi, ci] == 0:
+                    near = min(have, key=lambda h: abs(h - ci))
+                    cost[bi, ci], n[bi, ci] = cost[bi, near] / n[bi, near], 1
+                    self.gaps.append(f"batch {b} not measured at {self.contexts[ci]!r}: cost of "
+                                     f"{self.contexts[near]!r} at the same batch")
         self.raw_cost = cost / n[:, :, None, None]
         self.cost = _linear_in_k(self.raw_cost) if smooth == "linear" else self.raw_cost
         self._pmf: dict[tuple[str, str, str], np.ndarray] = {}  # (version, type, ctx) -> [K+1, K+1] pmf rows

@@ -40,6 +40,16 @@ def test_calibration_with_gaps_extrapolates_and_says_so(tmp_path: Path) -> None:
         Calibration(path, smooth="spline")
 
 
+def test_batch_measured_at_one_context_only(tmp_path: Path) -> None:
+    doc = json.loads(FIXTURE.read_text())
+    doc["cells"] = [c for c in doc["cells"] if not (c["context"] == "long" and c["batch_size"] == 64)]
+    path = tmp_path / "partial.json"
+    path.write_text(json.dumps(doc))
+    cal = Calibration(path)
+    assert any("batch 64 not measured at 'long'" in g for g in cal.gaps)
+    assert np.allclose(cal.round_s(64, "long"), cal.round_s(64, "short"))
+
+
 def test_raw_costs_kept_when_not_smoothed() -> None:
     cal = Calibration(FIXTURE, smooth="none")
     assert np.array_equal(cal.cost, cal.raw_cost)
