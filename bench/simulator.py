@@ -286,9 +286,10 @@ PHASES = (  # (name, share of rounds, batch sizes, P(long context), mix, target 
 
 def workload(types: Sequence[str], total_rounds: int, seed: int, window_rounds: int = NOMINAL_ROUNDS_PER_WINDOW,
              update_version: str = "target-v2", batch_cap: int | None = None,
-             long_batch_cap: int | None = None) -> list[WindowSpec]:
+             long_batch_cap: int | None = None, stretch: tuple[int, int] = (3, 10)) -> list[WindowSpec]:
     """Window specs through :data:`PHASES`: low load, load rising, long contexts arriving, request-mix change,
-    load falling, model update. Load stays put for 3-10 windows at a time.
+    load falling, model update. Load stays put for ``stretch`` windows at a time; each phase visits its batch
+    sizes in seeded shuffled cycles.
 
     Args:
         types: request types (the calibration's, in its order).
@@ -308,12 +309,16 @@ def workload(types: Sequence[str], total_rounds: int, seed: int, window_rounds: 
         return tuple(float(x) for x in v / v.sum())
 
     out: list[WindowSpec] = []
+    lo, hi = stretch
     for _, share, batches, p_long, m, ver in PHASES:
         version = update_version if ver != BASE_VERSION else ver
         n_windows = max(1, round(share * total_rounds / window_rounds))
+        cycle: list[int] = []
         while n_windows > 0:
-            run = min(n_windows, int(rng.integers(3, 11)))  # load stays put for a few windows at a time
-            bsz, ctx = int(rng.choice(batches)), "long" if rng.random() < p_long else "short"
+            run = min(n_windows, int(rng.integers(lo, hi + 1)))  # load stays put for a few windows at a time
+            if not cycle:  # batch sizes in seeded shuffled cycles: a short run still visits each of the phase's
+                cycle = [int(b) for b in rng.permutation(batches)]
+            bsz, ctx = cycle.pop(), "long" if rng.random() < p_long else "short"
             if batch_cap is not None:
                 bsz = min(bsz, batch_cap)
             if ctx == "long" and long_batch_cap is not None:

@@ -66,6 +66,8 @@ def test_workload_caps_batch_sizes() -> None:
     assert max(s.batch_size for s in specs) <= 32
     assert all(s.batch_size <= 4 for s in specs if s.context == "long")
     assert {s.version for s in specs} == {"target-v1", "target-v2"}
+    short = workload(["code", "prose", "structured"], 48 * 20, seed=0, stretch=(2, 3))
+    assert {1, 4, 16, 64} <= {s.batch_size for s in short}  # a short run still visits every load
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,7 @@ def tiny_models() -> object:
 
 
 def test_engine_replay_is_closed_loop_and_seeded(tiny_models: object) -> None:
-    plan = EnginePlan(windows=4, window_s=0.01, sweep_ks=(0, 2), batch_cap=4, long_batch_cap=2,
+    plan = EnginePlan(windows=4, window_s=0.01, sweep_ks=(0, 2), batch_cap=4, long_batch_cap=2, stretch=(1, 2),
                       prompt_bytes=(("short", 16), ("long", 64)), max_new_tokens=8)
     prompts = {(t, cx): [bytes([65 + i]) * n for i in range(4)]
                for t in ("code", "prose", "structured") for cx, n in plan.prompt_bytes}
