@@ -75,9 +75,9 @@ def stages(scale: float = 1.0) -> list[TrainConfig]:
         return max(2, int(n * scale))
 
     return [
-        TrainConfig(name="target-v1", preset="target", steps=s(2400), warmup=100),
+        TrainConfig(name="target-v1", preset="target", steps=s(2400), warmup=100, long_frac=0.15),
         TrainConfig(
-            name="draft-v1", preset="draft", steps=s(900), distill_from="target-v1", lr=4e-3, warmup=100, seed=1
+            name="draft-v1", preset="draft", steps=s(700), distill_from="target-v1", lr=4e-3, warmup=100, seed=1
         ),
         TrainConfig(
             name="target-v2",
