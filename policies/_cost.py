@@ -79,6 +79,14 @@ class CostModel:
         pre = f"{batch_bucket}|{ctx}|"
         return {int(key[len(pre):]) for key in self._agg if key.startswith(pre)}
 
+    def cells_with_slope(self) -> int:
+        """Cells seen at two or more k: what identifies the shared slope in k that unprobed cells borrow."""
+        ks: dict[str, set[str]] = {}
+        for key in self._agg:
+            cell, k = key.rsplit("|", 1)
+            ks.setdefault(cell, set()).add(k)
+        return sum(len(v) >= 2 for v in ks.values())
+
     def mean_batch(self, batch_bucket: int, ctx: str) -> float:
         pre = f"{batch_bucket}|{ctx}|"
         r = sum(v[0] for key, v in self._agg.items() if key.startswith(pre))

@@ -48,6 +48,8 @@ class GoodputPolicy(Policy):
         prior_mean, bucket_strength, type_strength, version_strength, acceptance_decay: see
             :class:`~policies._acceptance.AcceptanceModel`.
         ridge_alpha, refit_every: see :class:`~policies._cost.CostModel`.
+        slope_cells: once this many cells have been seen at two or more k, a new cell seen at one k is not
+            probed: it borrows the shared slope in k (the point of a shared cost model).
     """
 
     name = "goodput"
@@ -56,7 +58,7 @@ class GoodputPolicy(Policy):
                  switch_margin: float = 0.03, hold_decisions: int = 3, probe_every: int = 50,
                  prior_mean: float = 0.6, bucket_strength: float = 30.0, type_strength: float = 60.0,
                  version_strength: float = 10.0, acceptance_decay: float = 0.995, ridge_alpha: float = 0.01,
-                 refit_every: int = 16) -> None:
+                 refit_every: int = 16, slope_cells: int = 2) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
@@ -66,6 +68,7 @@ class GoodputPolicy(Policy):
             raise ValueError("switch_margin, hold_decisions must be >= 0 and probe_every >= 1")
         self.objective, self.latency_p99_s = objective, latency_p99_s
         self.switch_margin, self.hold_decisions, self.probe_every = switch_margin, hold_decisions, probe_every
+        self.slope_cells = slope_cells
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay)
         self._cost = CostModel(k_max, ridge_alpha, refit_every)
@@ -135,7 +138,8 @@ class GoodputPolicy(Policy):
                 new, reason = [int(x) for x in combos[best]], "switch: expected gain above margin"
                 st["hold"] = self.hold_decisions
         seen = self._cost.ks_seen(b.batch_bucket, b.context_bucket)
-        if len(seen) == 1 and not st["probed"]:  # identify this cell's cost slope in k
+        # Identify this cell's cost slope in k, unless enough other cells already pin the shared slope down.
+        if len(seen) == 1 and not st["probed"] and self._cost.cells_with_slope() < self.slope_cells:
             only = next(iter(seen))
             alt = int(np.argmax(g_shared[1:]) + 1) if only == 0 else 0
             new, reason, exploring, st["probed"] = [alt] * len(types), f"cost probe at k={alt}", True, True

@@ -1,0 +1,42 @@
+"""goodput: a new cell borrows the shared cost slope instead of probing, once other cells pin it down."""
+
+from __future__ import annotations
+
+from policies import GoodputPolicy
+from policies._cost import CostModel
+from telemetry.records import AcceptanceWindow, Bucket, CostWindow, Stat
+
+
+def _cost(bb: int, k: int, secs: float) -> CostWindow:
+    st = Stat(10, 10 * secs, 10 * secs * secs, secs)
+    zero = Stat(10, 0.0, 0.0, 0.0)
+    return CostWindow(target_version="t1", draft_version="d1", batch_bucket=bb, context_bucket="<=512", max_k=k,
+                      rounds=10, tokens_verified=10 * bb * (k + 1), emitted=10 * bb, batch_rows=10 * bb,
+                      draft_s=zero, verify_s=st, other_s=zero, latency_p50=secs, latency_p95=secs,
+                      latency_p99=secs)
+
+
+def _fed(slope_cells: int) -> GoodputPolicy:
+    p = GoodputPolicy(k_max=4, seed=0, slope_cells=slope_cells)
+    p.observe(AcceptanceWindow(target_version="t1", draft_version="d1", request_type="code", context_bucket="<=512",
+                               k=2, rows=50, drafted=100, accepted=60, emitted=110, hist=(10, 20, 20)))
+    for bb, base in ((1, 0.01), (4, 0.02)):  # two cells seen at two ks each
+        p.observe(_cost(bb, 0, base))
+        p.observe(_cost(bb, 2, base * 1.5))
+    p.observe(_cost(16, 0, 0.05))  # the new cell: seen at k = 0 only
+    return p
+
+
+def test_cells_with_slope_counts_cells_seen_at_two_ks() -> None:
+    m = CostModel(k_max=4)
+    m.observe(1, "<=512", 0, 5, 5, 0.0, 0.05, 0.0)
+    assert m.cells_with_slope() == 0
+    m.observe(1, "<=512", 3, 5, 5, 0.01, 0.06, 0.0)
+    m.observe(4, "<=512", 0, 5, 20, 0.0, 0.1, 0.0)
+    assert m.cells_with_slope() == 1
+
+
+def test_new_cell_borrows_the_shared_slope() -> None:
+    b = Bucket("t1", "d1", "code", 16, "<=512")
+    assert "cost probe" not in _fed(slope_cells=2).decide(b).reason
+    assert "cost probe" in _fed(slope_cells=99).decide(b).reason  # nothing to borrow from: probe
