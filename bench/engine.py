@@ -44,8 +44,8 @@ FULL = BenchPlan(
     modes=("sample", "greedy"),
     batch_sizes=(1, 4, 16, 64),
     contexts=("short", "long"),
-    reps={1: 10, 4: 6, 16: 4, 64: 2},
-    version_reps=8,
+    reps={1: 30, 4: 16, 16: 8, 64: 3},
+    version_reps=16,
 )
 QUICK = BenchPlan(modes=("sample",), batch_sizes=(1, 16), contexts=("short",), reps={1: 3, 16: 2}, version_reps=2)
 
