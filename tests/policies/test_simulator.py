@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -41,10 +40,9 @@ def test_simulation_is_seeded_and_honest() -> None:
     assert a.tok_s == pytest.approx(expect, rel=0.03)
 
 
-def test_simulator_is_fast() -> None:
+def test_simulator_covers_a_long_workload() -> None:
+    # Speed is a benchmark matter (bench/policies.py reports it); here: a long workload runs to the end.
     cal = Calibration(FIXTURE)
     specs = workload(cal.types, 100_000, seed=2)
-    t0 = time.perf_counter()
     res = simulate(StaticPolicy(k=3), cal, specs, seed=0)
     assert res.rounds.sum() > 50_000
-    assert time.perf_counter() - t0 < 30  # generous: shared CI machines
