@@ -60,8 +60,11 @@ def _run_cell(models: Any, mode: str, rtype: str, bsz: int, ctx: str, reps: int,
 
     k_max = max(K_VALUES)
     prompt_len = CONTEXTS[ctx]
+    per_cycle = sum(k + 1 for k in K_VALUES)  # most tokens a row can emit in one cycle through every k
+    room = models.target.cfg.max_seq_len - prompt_len - 2 * k_max - 8
+    reps = max(1, min(reps, room // per_cycle - 1))  # long prompts leave room for fewer cycles
     # Enough new tokens that no row finishes during the measurement: every round emits at most k_max + 1.
-    max_new = (reps + 1) * sum(k + 1 for k in K_VALUES) + 8
+    max_new = (reps + 1) * per_cycle + 8
     cfg = EngineConfig(max_batch=bsz, max_context=prompt_len + max_new + 2 * k_max + 4, k_max=k_max, seed=seed)
     eng = SpecEngine(target if target is not None else models.target, models.draft, cfg,
                      version or models.target_version, models.draft_version)
