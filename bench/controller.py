@@ -25,7 +25,6 @@ A benchmark never asserts: it prints, saves JSON and a PNG, and leaves judging t
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
@@ -38,6 +37,7 @@ from typing import Any
 
 import redis
 
+from bench._common import write_results
 from controller.client import ClientConfig, PolicyClient
 from controller.publish import RedisPublisher
 from controller.sidecar import Sidecar, SidecarConfig
@@ -295,12 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = PRESETS["quick" if args.quick else "full"]
     res = run(cfg, args.redis_url, args.db_url)
     res["preset"] = "quick" if args.quick else "full"
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
-    plot(res, out.with_suffix(".png"))
-    report(res)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    write_results(res, args.json, plot, report)
     return 0
 
 

@@ -15,13 +15,14 @@ acceptance histograms of the updated target (target-v2) with the same draft, for
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bench._common import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 K_VALUES = tuple(range(0, 9))  # 0 = plain decoding
@@ -243,12 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     plan = BenchPlan(plan.modes, plan.batch_sizes, plan.contexts, plan.reps, plan.version_reps, args.seed)
     doc = run(plan, args.checkpoints, args.device)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=1) + "\n")
-    png = args.json.with_suffix(".png")
-    plot(doc, png)
-    print_table(doc)
-    print(f"wrote {args.json} and {png}")
+    write_results(doc, args.json, plot, print_table)
     return 0
 
 

@@ -28,7 +28,6 @@ A benchmark never asserts: it prints, saves JSON and a PNG, and leaves judging t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from bench._common import write_results
 from telemetry.aggregate import aggregate
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.ingest import Consumer, ConsumerConfig
@@ -362,12 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = replace(PRESETS["quick" if args.quick else "full"], batch=args.batch)
     res = run(cfg, args.redis_url, args.pg_url)
     res["preset"] = "quick" if args.quick else "full"
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
-    plot(res, out.with_suffix(".png"))
-    report(res)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    write_results(res, args.json, plot, report)
     return 0
 
 
