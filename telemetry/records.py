@@ -476,11 +476,16 @@ def window_batch_from_dict(d: Any) -> WindowBatch:
     )
 
 
+def check_size(data: bytes | bytearray | memoryview) -> None:
+    """The one size cap on an encoded window batch, whatever its encoding (raises ``too_large``)."""
+    if len(data) > MAX_ENCODED_BYTES:
+        raise RecordError("too_large", f"{len(data)} bytes > cap {MAX_ENCODED_BYTES}")
+
+
 def encode_window_batch(b: WindowBatch) -> bytes:
     """JSON bytes (never pickle). msgpack is offered by the transport layer with the same dict shape."""
     data = json.dumps(window_batch_to_dict(b), separators=(",", ":"), allow_nan=False).encode()
-    if len(data) > MAX_ENCODED_BYTES:
-        raise RecordError("too_large", f"{len(data)} bytes > cap {MAX_ENCODED_BYTES}")
+    check_size(data)
     return data
 
 
@@ -488,8 +493,7 @@ def decode_window_batch(data: bytes) -> WindowBatch:
     """Decode and validate. Any byte string either yields a valid batch or raises :class:`RecordError`."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise RecordError("bad_type", f"payload must be bytes, got {type(data).__name__}")
-    if len(data) > MAX_ENCODED_BYTES:
-        raise RecordError("too_large", f"{len(data)} bytes > cap {MAX_ENCODED_BYTES}")
+    check_size(data)
     try:
         obj = json.loads(bytes(data), parse_constant=_reject_constant)
     except RecordError:  # NaN / Infinity, from _reject_constant (a RecordError is a ValueError too)

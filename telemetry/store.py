@@ -460,16 +460,9 @@ class Store:
             .join(ab, a.bucket_id == ab.id).join(m, ab.model_version_id == m.id).join(ib, a.batch_id == ib.id)
             .order_by(a.id)
         )
-        if since_id is not None:
-            q = q.where(a.id > since_id)
-        if target_version is not None:
-            q = q.where(m.target_version == target_version)
-        if draft_version is not None:
-            q = q.where(m.draft_version == draft_version)
+        q = _window_filters(q, a.id, since_id, target_version, draft_version, limit)
         if request_type is not None:
             q = q.where(ab.request_type == request_type)
-        if limit is not None:
-            q = q.limit(limit)
         with self.session() as s:
             return [
                 StoredWindow(r.id, eng, end, AcceptanceWindow(
@@ -494,14 +487,7 @@ class Store:
             .join(cb, c.bucket_id == cb.id).join(m, cb.model_version_id == m.id).join(ib, c.batch_id == ib.id)
             .order_by(c.id)
         )
-        if since_id is not None:
-            q = q.where(c.id > since_id)
-        if target_version is not None:
-            q = q.where(m.target_version == target_version)
-        if draft_version is not None:
-            q = q.where(m.draft_version == draft_version)
-        if limit is not None:
-            q = q.limit(limit)
+        q = _window_filters(q, c.id, since_id, target_version, draft_version, limit)
         with self.session() as s:
             return [
                 StoredWindow(r.id, eng, end, _cost_window(r, key, t, d))
@@ -631,3 +617,18 @@ def _cost_window(r: CostWindowRow, key: CostBucketRow, target: str, draft: str) 
         other_s=Stat(r.other_count, r.other_total, r.other_sumsq, r.other_max),
         latency_p50=r.latency_p50, latency_p95=r.latency_p95, latency_p99=r.latency_p99,
     )
+
+
+def _window_filters(
+    q: Any, id_col: Any, since_id: int | None, target_version: str | None, draft_version: str | None,
+    limit: int | None,
+) -> Any:
+    """The filters both window queries share (their select joins ``ModelVersionRow``)."""
+    m = ModelVersionRow
+    if since_id is not None:
+        q = q.where(id_col > since_id)
+    if target_version is not None:
+        q = q.where(m.target_version == target_version)
+    if draft_version is not None:
+        q = q.where(m.draft_version == draft_version)
+    return q.limit(limit) if limit is not None else q

@@ -27,9 +27,9 @@ from redis.exceptions import RedisError, ResponseError
 
 from telemetry.errors import TransportError
 from telemetry.records import (
-    MAX_ENCODED_BYTES,
     RecordError,
     WindowBatch,
+    check_size,
     decode_window_batch,
     encode_window_batch,
     window_batch_from_dict,
@@ -73,8 +73,7 @@ def encode_batch(batch: WindowBatch, encoding: Encoding = "json") -> bytes:
         data: bytes = msgpack.packb(window_batch_to_dict(batch), use_bin_type=True)
     except (OverflowError, TypeError, ValueError) as e:  # e.g. an int beyond 64 bits
         raise RecordError("unencodable", f"msgpack cannot encode the batch: {e}") from e
-    if len(data) > MAX_ENCODED_BYTES:
-        raise RecordError("too_large", f"{len(data)} bytes > cap {MAX_ENCODED_BYTES}")
+    check_size(data)
     return data
 
 
@@ -85,8 +84,7 @@ def decode_payload(data: bytes) -> WindowBatch:
     raw = bytes(data)
     if raw[:1] == b"{" or raw.lstrip()[:1] == b"{":
         return decode_window_batch(raw)
-    if len(raw) > MAX_ENCODED_BYTES:
-        raise RecordError("too_large", f"{len(raw)} bytes > cap {MAX_ENCODED_BYTES}")
+    check_size(raw)
     try:
         obj = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True)
     except Exception as e:  # msgpack raises a zoo of types (ExtraData, FormatError, StackError, ValueError, ...)
