@@ -30,6 +30,7 @@ from engine.sampling import process_logits, rejection_sample, sample
 from telemetry.records import MAX_DRAFT_LEN, RoundRecord, RowRecord
 
 PolicyFn = Callable[[str, int, int], int]  # (request type, batch size, context length) -> k, 0 = off
+CATCHUP_INLINE = 4  # draft catch-ups up to this many tokens ride in the first draft step; longer ones go first
 
 
 class RequestError(ValueError):
@@ -343,6 +344,15 @@ class SpecEngine:
         sel_t = torch.tensor(sel, dtype=torch.long, device=self.device)
         # First step: catch up on every token the draft has not seen (at least the last one), in one forward.
         seqs = [self._row(i).tokens[int(self.d_cache.lengths[i]) :] for i in rows]
+        # A row just admitted (its whole prompt) or back from a stretch at k = 0 has a long catch-up. Padded
+        # into the batch's first step it would widen that forward for every row ([64, 129] instead of [64, 2]
+        # when one 128-byte prompt joins a batch of 64): such rows feed all but their last token in a forward
+        # of their own, so the shared first step stays at most CATCHUP_INLINE tokens wide.
+        long_j = [j for j, s in enumerate(seqs) if len(s) > CATCHUP_INLINE]
+        if long_j:
+            self._ragged_forward(self.draft, self.d_cache, [rows[j] for j in long_j], [seqs[j][:-1] for j in long_j])
+            for j in long_j:
+                seqs[j] = seqs[j][-1:]
         logits = self._ragged_forward(self.draft, self.d_cache, rows, seqs)
         last_idx = torch.tensor([len(s) - 1 for s in seqs], device=self.device)
         step_logits = logits[torch.arange(len(rows), device=self.device), last_idx][:, None]  # [S, 1, V]

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.loop import EngineConfig, Request, SpecEngine
+from engine.loop import CATCHUP_INLINE, EngineConfig, Request, SpecEngine
 from engine.model import BOS_ID, MODEL_PRESETS, CacheCapacityError, Transformer
 from telemetry.records import RoundRecord
 
@@ -78,6 +78,27 @@ def test_draft_catches_up_after_speculation_was_off() -> None:
         for row in r.rows:
             if row.k and row.emitted == row.k + 1:
                 assert row.accepted == row.k
+
+
+def test_admitted_prompt_does_not_widen_the_batch_draft_step(pair, plain, monkeypatch) -> None:
+    # Rows are admitted while others decode at k = 3. A new row's draft catch-up is its whole prompt; padded
+    # into the shared first draft step it would make every row pay for it. It must go in a forward of its own.
+    draft = pair[1]
+    widths: list[tuple[int, list[int]]] = []
+    orig = draft.forward_cached
+
+    def spy(tokens, cache, rows=None, real_lens=None):  # type: ignore[no-untyped-def]
+        lens = [tokens.shape[1]] * tokens.shape[0] if real_lens is None else real_lens.tolist()
+        widths.append((tokens.shape[1], lens))
+        return orig(tokens, cache, rows, real_lens)
+
+    monkeypatch.setattr(draft, "forward_cached", spy)
+    out, _ = _run(pair, lambda t, b, c: 3, max_batch=2)
+    assert out == plain
+    wide = [lens for t, lens in widths if t > CATCHUP_INLINE]
+    assert wide, "prompts longer than CATCHUP_INLINE were admitted"
+    assert all(min(lens) > CATCHUP_INLINE - 1 for lens in wide), "a short catch-up was padded to a prompt"
+    assert any(len(lens) == 2 and t <= CATCHUP_INLINE for t, lens in widths)  # shared steps stay narrow
 
 
 def test_record_fields(pair) -> None:
