@@ -1,47 +1,55 @@
 """Round-cost model: draft / verify / other seconds per round as functions of batch, context and k.
 
-A scikit-learn ``Ridge`` (multi-output: draft, verify, other) on engineered features, fitted on aggregated cost
-windows. Features are a smooth shared part — ``[1(k>0), k, k log2 B, k log2 C, k log2 B log2 C, log2 B, log2 C,
-log2 B log2 C]`` — plus a per-cell intercept and per-cell slope in k (cell = batch bucket x context bucket).
-The shared part is multiplied by ``SHARED_SCALE`` so the ridge penalty barely touches it, while the per-cell
-terms are shrunk toward it: a cell seen at one k borrows its slope in k from the others (sharing strength).
-Cost is linear in k within a cell: the draft runs k steps and verify scores ``batch * (k + 1)`` positions.
+Why this form: what a policy needs from the cost model is the *shape* of round seconds across k in a cell it
+has seen at one k only (or not at all) — and the shape changes with the batch: at batch 1 verifying k + 1 tokens
+costs little more than one, at high batch it grows with every token. A model linear in log batch (the first
+version of this file) extrapolated a batch of 64 from batches 1 and 4 to plain rounds 2.7x too cheap, and the
+policy switched speculation off where it wins 1.25x (measured on the reference engine).
+
+So each part of a round is a non-negative combination of the work it does (fitted by non-negative least squares
+on the aggregated cost windows, relative errors, ``scipy.optimize.nnls``):
+
+- draft  = k * (d0 + d1 B + d2 B C)            k draft forwards: fixed overhead, per-row compute, per-row
+                                                attention over the context;
+- verify = v0 + v1 B (k + 1) + v2 B C + v3 B C k  one target forward over B (k + 1) positions: fixed overhead,
+                                                GEMM work, the KV read (once per row), attention compute;
+- other  = o0 + o1 B + o2 B k                   admission and bookkeeping.
+
+B is the mean batch of the cell, C the context bucket's representative length. Non-negative coefficients keep
+every extrapolation monotone in B, C and k. A cell's own measurements then correct the shared fit: each cell
+has a scale factor (its observed seconds over the model's, shrunk toward 1 with ``prior_rounds``), and a k the
+cell was measured at is predicted from its measurement (shrunk toward the scaled model the same way).
 Model versions are not a feature: a new target of the same architecture keeps the cost learnt so far.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
-from sklearn.linear_model import Ridge
+from scipy.optimize import nnls
 
 from policies.base import context_len_of
 
-SHARED_SCALE = 10.0  # shared features x10 -> ridge penalty on them / 100
 PRIOR_DRAFT_PER_K = 0.1  # before any fit: one draft step costs 10% of a verify forward (Leviathan's c)
+PARTS = ("draft", "verify", "other")
 
 
-def _features(lb: np.ndarray, lc: np.ndarray, k: np.ndarray, cell: np.ndarray, n_cells: int) -> np.ndarray:
-    """Design matrix.
+def _features(b: np.ndarray, c: np.ndarray, k: np.ndarray) -> list[np.ndarray]:
+    """Per-part design matrices (see the module docstring).
 
     Args:
-        lb: ``[N]`` log2 batch size.
-        lc: ``[N]`` log2 context length / 4 (keeps the products O(1)).
-        k: ``[N]`` largest draft length of the round.
-        cell: ``[N]`` cell index, or -1 for a cell never fitted.
-        n_cells: number of fitted cells.
-
+        b: ``[N]`` mean batch size; c: ``[N]`` context length; k: ``[N]`` largest draft length of the round.
     Returns:
-        ``[N, 8 + 2 * n_cells]``.
+        ``[draft [N, 3], verify [N, 4], other [N, 3]]``.
     """
-    on = (k > 0).astype(float)
-    shared = np.stack([on, k, k * lb, k * lc, k * lb * lc, lb, lc, lb * lc], axis=1) * SHARED_SCALE
-    oh = np.zeros((k.size, n_cells))
-    idx = np.nonzero(cell >= 0)[0]
-    oh[idx, cell[idx]] = 1.0
-    return np.concatenate([shared, oh, oh * k[:, None]], axis=1)
+    bc = b * c / 1024.0  # context in KiB keeps the columns within a few orders of magnitude
+    one = np.ones_like(b)
+    return [
+        np.stack([k, k * b, k * bc], axis=1),
+        np.stack([one, b * (k + 1), bc, bc * k], axis=1),
+        np.stack([one, b, b * k], axis=1),
+    ]
 
 
 class CostModel:
@@ -49,17 +57,19 @@ class CostModel:
 
     Args:
         k_max: largest k predicted.
-        alpha: ridge penalty (on the normalised target).
+        prior_rounds: pseudo-rounds of the shared fit when a cell's own measurements correct it.
         refit_every: cost windows between refits once warmed up (early on it refits more often).
         decay: multiplier on old aggregates per window of the same (cell, k), for drift.
     """
 
-    def __init__(self, k_max: int, alpha: float = 0.01, refit_every: int = 16, decay: float = 0.999) -> None:
-        self.k_max, self.alpha, self.refit_every, self.decay = k_max, alpha, refit_every, decay
+    def __init__(self, k_max: int, prior_rounds: float = 20.0, refit_every: int = 16, decay: float = 0.999) -> None:
+        if prior_rounds < 0 or refit_every < 1 or not 0 < decay <= 1:
+            raise ValueError("prior_rounds must be >= 0, refit_every >= 1 and decay in (0, 1]")
+        self.k_max, self.prior_rounds, self.refit_every, self.decay = k_max, prior_rounds, refit_every, decay
         self._agg: dict[str, list[float]] = {}  # "bb|ctx|k" -> [rounds, batch_rows, draft, verify, other]
         self._since_fit = 0
         self._n_seen = 0
-        self._fit: dict[str, Any] | None = None  # {"cells": [...], "coef": [[...]], "intercept": [...], "scale": s}
+        self._fit: dict[str, Any] | None = None  # {"coef": [[draft], [verify], [other]]}
 
     def observe(self, batch_bucket: int, ctx: str, k: int, rounds: int, batch_rows: int,
                 draft_s: float, verify_s: float, other_s: float) -> None:
@@ -70,8 +80,8 @@ class CostModel:
                                                              strict=True)]
         self._since_fit += 1
         self._n_seen += 1
-        # A (cell, k) never seen before refits at once: until then a new cell is predicted from the others only,
-        # and the first measurement of a cell or of a k is what corrects an extrapolation most.
+        # A (cell, k) never seen before refits at once: the first measurement of a cell or of a k is what
+        # corrects an extrapolation most.
         if new_key or self._since_fit >= min(self.refit_every, max(1, self._n_seen // 4)):
             self.refit()
 
@@ -98,26 +108,35 @@ class CostModel:
         if not self._agg:
             return
         keys = sorted(self._agg)
-        parts = [k.rsplit("|", 2) for k in keys]
-        cells = sorted({f"{p[0]}|{p[1]}" for p in parts})
-        cidx = {c: i for i, c in enumerate(cells)}
-        vals = np.array([self._agg[k] for k in keys])  # [N, 5]
+        parts = [key.rsplit("|", 2) for key in keys]
+        vals = np.array([self._agg[key] for key in keys])  # [N, 5]
         rounds = vals[:, 0]
         y = vals[:, 2:5] / rounds[:, None]  # [N, 3] mean seconds per round
-        scale = float(np.median(y.sum(axis=1)))
-        lb = np.log2(vals[:, 1] / rounds)
-        lc = np.array([math.log2(context_len_of(p[1])) / 4 for p in parts])
-        # Centred on what was observed: a direction never varied (one context bucket so far) has zero features,
-        # so ridge leaves its coefficients at 0 and an unseen cell is predicted like its nearest seen ones
-        # instead of along an unidentified slope.
-        center = [float(lb.mean()), float(lc.mean())]
-        x = _features(lb - center[0], lc - center[1], np.array([float(p[2]) for p in parts]),
-                      np.array([cidx[f"{p[0]}|{p[1]}"] for p in parts]), len(cells))
-        tot = y.sum(axis=1)
-        weight = rounds * (scale / np.maximum(tot, 1e-12)) ** 2  # relative errors: every cell counts
-        model = Ridge(alpha=self.alpha).fit(x, y / scale, sample_weight=weight / weight.mean())
-        self._fit = {"cells": cells, "coef": model.coef_.tolist(), "intercept": model.intercept_.tolist(),
-                     "scale": scale, "center": center}
+        b = vals[:, 1] / rounds
+        c = np.array([float(context_len_of(p[1])) for p in parts])
+        k = np.array([float(p[2]) for p in parts])
+        feats = _features(b, c, k)
+        # Relative errors, every observation weighted by how many rounds it holds (square root: a cell served
+        # for hours must not drown out one seen for a minute).
+        w = np.sqrt(rounds) / np.maximum(y.sum(axis=1), 1e-12)
+        coef = []
+        for j, x in enumerate(feats):
+            use = k > 0 if j == 0 else np.ones_like(k, dtype=bool)
+            if not use.any():
+                coef.append([0.0] * x.shape[1])
+                continue
+            xs = x[use] * w[use, None]
+            norm = np.maximum(np.abs(xs).max(axis=0), 1e-30)  # column scaling for a well-conditioned solve
+            sol, _ = nnls(xs / norm, y[use, j] * w[use], maxiter=50 * x.shape[1])
+            coef.append((sol / norm).tolist())
+        self._fit = {"coef": coef}
+
+    def _model(self, b: float, c: float, ks: np.ndarray) -> np.ndarray:
+        """``[len(ks), 3]`` seconds per round from the shared fit alone."""
+        assert self._fit is not None
+        n = ks.size
+        feats = _features(np.full(n, b), np.full(n, c), ks)
+        return np.stack([x @ np.asarray(cf) for x, cf in zip(feats, self._fit["coef"], strict=True)], axis=1)
 
     def predict(self, batch_bucket: int, ctx: str, batch_size: float | None = None) -> np.ndarray:
         """``[k_max + 1, 3]`` predicted (draft, verify, other) seconds per round for k = 0..k_max.
@@ -127,15 +146,24 @@ class CostModel:
         ks = np.arange(self.k_max + 1, dtype=float)
         if self._fit is None:
             return np.stack([PRIOR_DRAFT_PER_K * ks, np.ones_like(ks), np.zeros_like(ks)], axis=1)
-        cells = self._fit["cells"]
-        cell = f"{batch_bucket}|{ctx}"
-        ci = cells.index(cell) if cell in cells else -1
         b = batch_size if batch_size is not None else self.mean_batch(batch_bucket, ctx)
-        n = ks.size
-        c_lb, c_lc = self._fit.get("center", (0.0, 0.0))
-        x = _features(np.full(n, math.log2(max(b, 1.0)) - c_lb), np.full(n, math.log2(context_len_of(ctx)) / 4 - c_lc),
-                      ks, np.full(n, ci), len(cells))
-        y = (x @ np.asarray(self._fit["coef"]).T + np.asarray(self._fit["intercept"])) * self._fit["scale"]
+        c = float(context_len_of(ctx))
+        y = self._model(max(b, 1.0), c, ks)
+        # The cell's own measurements: a scale on the shared shape, and the measured k themselves.
+        pre = f"{batch_bucket}|{ctx}|"
+        obs = {int(key[len(pre):]): v for key, v in self._agg.items() if key.startswith(pre)}
+        obs = {kk: v for kk, v in obs.items() if kk <= self.k_max and v[0] > 0}
+        if obs:
+            tau = self.prior_rounds
+            n_obs = sum(v[0] for v in obs.values())
+            seen = sum(v[2] + v[3] + v[4] for v in obs.values())  # seconds summed over the cell's rounds
+            expect = sum(v[0] * float(y[kk].sum()) for kk, v in obs.items())
+            mean_pred = expect / n_obs
+            scale = (seen + tau * mean_pred) / max(expect + tau * mean_pred, 1e-30)
+            y = y * scale
+            for kk, v in obs.items():
+                meas = np.array(v[2:5]) / v[0]
+                y[kk] = (v[0] * meas + tau * y[kk]) / (v[0] + tau)
         y = np.maximum(y, 0.0)
         y[0, 0] = 0.0  # no draft steps at k = 0
         floor = 0.05 * max(float(y[0].sum()), 1e-9)
@@ -152,4 +180,10 @@ class CostModel:
 
     def set_state(self, st: dict[str, Any]) -> None:
         self._agg = {k: [float(x) for x in v] for k, v in st["agg"].items()}
-        self._since_fit, self._n_seen, self._fit = int(st["since_fit"]), int(st["n_seen"]), st["fit"]
+        self._since_fit, self._n_seen = int(st["since_fit"]), int(st["n_seen"])
+        fit = st["fit"]
+        if fit is not None and "coef" in fit and len(fit["coef"]) != len(PARTS):  # a snapshot of the older model
+            fit = None
+        self._fit = fit
+        if self._fit is None and self._agg:
+            self.refit()

@@ -3,9 +3,9 @@
 Vocabulary as in ``telemetry/records.py`` (a round emits ``accepted + 1`` tokens per row; goodput is emitted
 tokens per wall second for the whole batch). Expected tokens per round follow Leviathan et al. 2023
 (arXiv:2211.17192) eq. 1 in its general form, ``1 + sum_i P(accepted >= i)``, with the per-position acceptance
-curve learnt as Beta posteriors (:mod:`policies._acceptance`). Round seconds come from a ridge cost model shared
-across buckets (:mod:`policies._cost`): at high batch the verify cost grows with ``k + 1`` and speculation can
-lose, so k = 0 is always a candidate.
+curve learnt as Beta posteriors (:mod:`policies._acceptance`). Round seconds come from a non-negative model of
+the work in a round, shared across buckets (:mod:`policies._cost`): at high batch the verify cost grows with
+``k + 1`` and speculation can lose, so k = 0 is always a candidate.
 
 A round costs what its largest k costs, so k is chosen jointly for the request types that share a batch
 (:func:`policies.analytic.batch_goodput`, with the recent request mix of the context bucket); a bucket's k is its
@@ -47,7 +47,7 @@ class GoodputPolicy(Policy):
         probe_every: decisions with speculation off before one exploratory decision with it on.
         prior_mean, bucket_strength, type_strength, version_strength, acceptance_decay: see
             :class:`~policies._acceptance.AcceptanceModel`.
-        ridge_alpha, refit_every: see :class:`~policies._cost.CostModel`.
+        cost_prior_rounds, refit_every: see :class:`~policies._cost.CostModel`.
         slope_cells: once this many cells have been seen at two or more k, a new cell seen at one k is not
             probed: it borrows the shared slope in k (the point of a shared cost model).
     """
@@ -57,7 +57,7 @@ class GoodputPolicy(Policy):
     def __init__(self, k_max: int = 8, seed: int = 0, objective: str = "goodput", latency_p99_s: float | None = None,
                  switch_margin: float = 0.03, hold_decisions: int = 3, probe_every: int = 50,
                  prior_mean: float = 0.6, bucket_strength: float = 30.0, type_strength: float = 60.0,
-                 version_strength: float = 10.0, acceptance_decay: float = 0.995, ridge_alpha: float = 0.01,
+                 version_strength: float = 10.0, acceptance_decay: float = 0.995, cost_prior_rounds: float = 20.0,
                  refit_every: int = 16, slope_cells: int = 2) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
@@ -71,7 +71,7 @@ class GoodputPolicy(Policy):
         self.slope_cells = slope_cells
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay)
-        self._cost = CostModel(k_max, ridge_alpha, refit_every)
+        self._cost = CostModel(k_max, cost_prior_rounds, refit_every)
         self._cells: dict[str, dict[str, Any]] = {}  # cell -> {"ks": {type: k}, "hold", "off", "probed", "epoch"}
 
     # ----------------------------------------------------------------------------------------- learning

@@ -1,6 +1,8 @@
-"""goodput: a new cell borrows the shared cost slope instead of probing, once other cells pin it down."""
+"""goodput: the cost model it plans with, and borrowing the shared cost slope instead of probing."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from policies import GoodputPolicy
 from policies._cost import CostModel
@@ -40,3 +42,26 @@ def test_new_cell_borrows_the_shared_slope() -> None:
     b = Bucket("t1", "d1", "code", 16, "<=512")
     assert "cost probe" not in _fed(slope_cells=2).decide(b).reason
     assert "cost probe" in _fed(slope_cells=99).decide(b).reason  # nothing to borrow from: probe
+
+
+# Seconds per round (draft, verify, other) measured on the reference engine (bench/results/engine.json, sample
+# mode, code, short context; CPU, 2 threads).
+ENGINE_MS = {(1, 0): (0.0, 2.00, 0.04), (1, 3): (1.35, 2.01, 0.044), (4, 0): (0.0, 2.16, 0.069),
+             (4, 3): (1.74, 2.60, 0.073), (16, 0): (0.0, 4.03, 0.197), (16, 3): (3.04, 5.77, 0.21),
+             (64, 0): (0.0, 9.64, 0.61), (64, 3): (7.13, 13.90, 0.63)}
+
+
+def test_cost_model_extrapolates_to_a_larger_batch() -> None:
+    # Fitted on batches 1 and 4 (two ks each) and batch 64 seen at k = 3 only, the model must put plain
+    # decoding at batch 64 and both ks at the unseen batch 16 near what the engine measured. A model linear in
+    # log batch put batch-64 plain rounds at a third of their cost and turned speculation off where it wins.
+    m = CostModel(k_max=8)
+    for (b, k), (d, v, o) in ENGINE_MS.items():
+        if b in (1, 4) or (b, k) == (64, 3):
+            m.observe(b, "<=512", k, 10, 10 * b, 10 * d / 1e3, 10 * v / 1e3, 10 * o / 1e3)
+    for b, k in ((64, 0), (16, 0), (16, 3)):
+        pred = float(m.predict(b, "<=512")[k].sum()) * 1e3
+        truth = sum(ENGINE_MS[(b, k)])
+        assert 0.6 < pred / truth < 1.5, (b, k, pred, truth)
+    tot = m.predict(64, "<=512").sum(axis=1)
+    assert (np.diff(tot) > 0).all()  # every extra draft token costs something
