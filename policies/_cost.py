@@ -9,16 +9,27 @@ policy switched speculation off where it wins 1.25x (measured on the reference e
 So each part of a round is a non-negative combination of the work it does (fitted by non-negative least squares
 on the aggregated cost windows, relative errors, ``scipy.optimize.nnls``):
 
-- draft  = k * (d0 + d1 B + d2 B C)            k draft forwards: fixed overhead, per-row compute, per-row
-                                                attention over the context;
-- verify = v0 + v1 B (k + 1) + v2 B C + v3 B C k  one target forward over B (k + 1) positions: fixed overhead,
-                                                GEMM work, the KV read (once per row), attention compute;
-- other  = o0 + o1 B + o2 B k                   admission and bookkeeping.
+- draft  = k (d0 + d1 B + d2 B C)                    k draft forwards (fixed overhead, per-row compute,
+           + [k > 0] (d3 + d4 B)                     per-row attention), the first one wider by the catch-up;
+- verify = v0 + v1 B (k + 1) + v2 B C + v3 B C k     one target forward over B (k + 1) positions: overhead,
+           + [k > 0] (v4 + v5 B + v6 B C)            GEMM work, the KV read once per row, attention compute;
+                                                     a multi-token verify takes other kernels than a
+                                                     one-token step (bench/results/engine.json, batch 64, long
+                                                     context: 2 positions cost 1.29x one, 3 cost 1.44x);
+- other  = o0 + o1 B + o2 B k                        admission and bookkeeping.
 
 B is the mean batch of the cell, C the context bucket's representative length. Non-negative coefficients keep
-every extrapolation monotone in B, C and k. A cell's own measurements then correct the shared fit: each cell
-has a scale factor (its observed seconds over the model's, shrunk toward 1 with ``prior_rounds``), and a k the
-cell was measured at is predicted from its measurement (shrunk toward the scaled model the same way).
+every extrapolation monotone in B, C and k. What batches 1 and 4 cannot tell apart (a fixed cost or one per
+row) decides the extrapolation to batch 64, so a policy should measure a second k in a cell beyond the
+measured range (:meth:`CostModel.extrapolating`) rather than trust the guess.
+
+A cell's own measurements then correct the shared fit: each cell has a scale factor (its observed seconds over
+the model's, shrunk toward 1 with ``prior_windows``); a cell measured at two or more k > 0 corrects the shared
+slope in k with its own (a residual linear in k); and a k the cell was measured at is predicted from its
+measurement (shrunk toward the corrected model the same way).
+For Thompson sampling the seconds of a k the cell was never measured at are drawn around the prediction
+(log-normal, ``explore_spread``): a mis-extrapolated k then gets tried and measured instead of being ruled out
+for good by a deterministic guess.
 Model versions are not a feature: a new target of the same architecture keeps the cost learnt so far.
 """
 
@@ -33,6 +44,7 @@ from policies.base import context_len_of
 
 PRIOR_DRAFT_PER_K = 0.1  # before any fit: one draft step costs 10% of a verify forward (Leviathan's c)
 PARTS = ("draft", "verify", "other")
+ROUNDS_PER_FULL_WINDOW = 10.0  # a window of r rounds counts r / (r + 10) windows of evidence
 
 
 def _features(b: np.ndarray, c: np.ndarray, k: np.ndarray) -> list[np.ndarray]:
@@ -41,13 +53,14 @@ def _features(b: np.ndarray, c: np.ndarray, k: np.ndarray) -> list[np.ndarray]:
     Args:
         b: ``[N]`` mean batch size; c: ``[N]`` context length; k: ``[N]`` largest draft length of the round.
     Returns:
-        ``[draft [N, 3], verify [N, 4], other [N, 3]]``.
+        ``[draft [N, 5], verify [N, 7], other [N, 3]]``.
     """
     bc = b * c / 1024.0  # context in KiB keeps the columns within a few orders of magnitude
     one = np.ones_like(b)
+    on = (k > 0).astype(float)
     return [
-        np.stack([k, k * b, k * bc], axis=1),
-        np.stack([one, b * (k + 1), bc, bc * k], axis=1),
+        np.stack([k, k * b, k * bc, on, on * b], axis=1),
+        np.stack([one, b * (k + 1), bc, bc * k, on, on * b, on * bc], axis=1),
         np.stack([one, b, b * k], axis=1),
     ]
 
@@ -57,16 +70,20 @@ class CostModel:
 
     Args:
         k_max: largest k predicted.
-        prior_rounds: pseudo-rounds of the shared fit when a cell's own measurements correct it.
+        prior_windows: pseudo-windows of the shared fit when a cell's own measurements correct it.
         refit_every: cost windows between refits once warmed up (early on it refits more often).
         decay: multiplier on old aggregates per window of the same (cell, k), for drift.
+        explore_spread: log-normal sigma of sampled seconds for a k never measured in the cell.
     """
 
-    def __init__(self, k_max: int, prior_rounds: float = 20.0, refit_every: int = 16, decay: float = 0.999) -> None:
-        if prior_rounds < 0 or refit_every < 1 or not 0 < decay <= 1:
-            raise ValueError("prior_rounds must be >= 0, refit_every >= 1 and decay in (0, 1]")
-        self.k_max, self.prior_rounds, self.refit_every, self.decay = k_max, prior_rounds, refit_every, decay
-        self._agg: dict[str, list[float]] = {}  # "bb|ctx|k" -> [rounds, batch_rows, draft, verify, other]
+    def __init__(self, k_max: int, prior_windows: float = 2.0, refit_every: int = 16, decay: float = 0.999,
+                 explore_spread: float = 0.1) -> None:
+        if prior_windows < 0 or refit_every < 1 or not 0 < decay <= 1 or explore_spread < 0:
+            raise ValueError("prior_windows, explore_spread must be >= 0, refit_every >= 1 and decay in (0, 1]")
+        self.k_max, self.prior_windows, self.refit_every, self.decay = k_max, prior_windows, refit_every, decay
+        self.explore_spread = explore_spread
+        # "bb|ctx|k" -> [rounds, batch_rows, draft, verify, other, window weight] (decayed sums)
+        self._agg: dict[str, list[float]] = {}
         self._since_fit = 0
         self._n_seen = 0
         self._fit: dict[str, Any] | None = None  # {"coef": [[draft], [verify], [other]]}
@@ -75,9 +92,10 @@ class CostModel:
                 draft_s: float, verify_s: float, other_s: float) -> None:
         key = f"{batch_bucket}|{ctx}|{k}"
         new_key = key not in self._agg
-        old = self._agg.get(key, [0.0] * 5)
-        self._agg[key] = [o * self.decay + x for o, x in zip(old, (rounds, batch_rows, draft_s, verify_s, other_s),
-                                                             strict=True)]
+        old = self._agg.get(key, [0.0] * 6)
+        weight = rounds / (rounds + ROUNDS_PER_FULL_WINDOW)  # a window of a few rounds is a weak measurement
+        self._agg[key] = [o * self.decay + x for o, x in
+                          zip(old, (rounds, batch_rows, draft_s, verify_s, other_s, weight), strict=True)]
         self._since_fit += 1
         self._n_seen += 1
         # A (cell, k) never seen before refits at once: the first measurement of a cell or of a k is what
@@ -97,6 +115,24 @@ class CostModel:
             ks.setdefault(cell, set()).add(k)
         return sum(len(v) >= 2 for v in ks.values())
 
+    def k0_measured(self) -> bool:
+        """Some cell was measured with speculation off (identifies the jump in cost at k > 0)."""
+        return any(key.endswith("|0") for key in self._agg)
+
+    def extrapolating(self, batch_bucket: int, ctx: str) -> bool:
+        """True when the cell lies beyond every cell measured at two or more k (larger batch or context)."""
+        ks: dict[str, set[str]] = {}
+        for key in self._agg:
+            cell, k = key.rsplit("|", 1)
+            ks.setdefault(cell, set()).add(k)
+        known = [c.split("|", 1) for c, v in ks.items() if len(v) >= 2]
+        if not known:
+            return True
+        b = self.mean_batch(batch_bucket, ctx)
+        c = context_len_of(ctx)
+        return b > 1.01 * max(self.mean_batch(int(kb), kc) for kb, kc in known) or c > max(
+            context_len_of(kc) for _, kc in known)
+
     def mean_batch(self, batch_bucket: int, ctx: str) -> float:
         pre = f"{batch_bucket}|{ctx}|"
         r = sum(v[0] for key, v in self._agg.items() if key.startswith(pre))
@@ -109,7 +145,7 @@ class CostModel:
             return
         keys = sorted(self._agg)
         parts = [key.rsplit("|", 2) for key in keys]
-        vals = np.array([self._agg[key] for key in keys])  # [N, 5]
+        vals = np.array([self._agg[key] for key in keys])  # [N, 6]
         rounds = vals[:, 0]
         y = vals[:, 2:5] / rounds[:, None]  # [N, 3] mean seconds per round
         b = vals[:, 1] / rounds
@@ -138,9 +174,11 @@ class CostModel:
         feats = _features(np.full(n, b), np.full(n, c), ks)
         return np.stack([x @ np.asarray(cf) for x, cf in zip(feats, self._fit["coef"], strict=True)], axis=1)
 
-    def predict(self, batch_bucket: int, ctx: str, batch_size: float | None = None) -> np.ndarray:
+    def predict(self, batch_bucket: int, ctx: str, batch_size: float | None = None,
+                rng: np.random.Generator | None = None) -> np.ndarray:
         """``[k_max + 1, 3]`` predicted (draft, verify, other) seconds per round for k = 0..k_max.
 
+        With ``rng``, a Thompson draw: ks never measured in the cell are scaled by a log-normal factor.
         Before the first fit returns the relative prior ``(c k, 1, 0)`` (only ratios across k matter then).
         """
         ks = np.arange(self.k_max + 1, dtype=float)
@@ -154,16 +192,32 @@ class CostModel:
         obs = {int(key[len(pre):]): v for key, v in self._agg.items() if key.startswith(pre)}
         obs = {kk: v for kk, v in obs.items() if kk <= self.k_max and v[0] > 0}
         if obs:
-            tau = self.prior_rounds
-            n_obs = sum(v[0] for v in obs.values())
-            seen = sum(v[2] + v[3] + v[4] for v in obs.values())  # seconds summed over the cell's rounds
-            expect = sum(v[0] * float(y[kk].sum()) for kk, v in obs.items())
-            mean_pred = expect / n_obs
+            # Weights count windows, not rounds: what makes a measurement wrong is the machine's speed drifting
+            # between windows (another tenant, clocks), which a window's hundreds of rounds do not average out.
+            tau = self.prior_windows
+            n_w = {kk: v[5] for kk, v in obs.items()}
+            per_round = {kk: np.array(v[2:5]) / v[0] for kk, v in obs.items()}
+            seen = sum(n_w[kk] * float(per_round[kk].sum()) for kk in obs)
+            expect = sum(n_w[kk] * float(y[kk].sum()) for kk in obs)
+            mean_pred = expect / sum(n_w.values())
             scale = (seen + tau * mean_pred) / max(expect + tau * mean_pred, 1e-30)
             y = y * scale
-            for kk, v in obs.items():
-                meas = np.array(v[2:5]) / v[0]
-                y[kk] = (v[0] * meas + tau * y[kk]) / (v[0] + tau)
+            # Measured at two or more k > 0: the cell's own slope in k corrects the shared one (a residual linear
+            # in k, weighted by evidence) for the ks it has not measured.
+            pos = sorted(kk for kk in obs if kk > 0)
+            if len(pos) >= 2:
+                kp = np.array(pos, dtype=float)
+                res = np.array([per_round[kk].sum() - y[kk].sum() for kk in pos])
+                sw = np.sqrt(np.array([n_w[kk] for kk in pos]))
+                a, slope = np.linalg.lstsq(np.stack([np.ones_like(kp), kp], axis=1) * sw[:, None], res * sw,
+                                           rcond=None)[0]
+                tot = y[1:].sum(axis=1)
+                y[1:] *= (np.maximum(tot + a + slope * ks[1:], 0.2 * tot) / np.maximum(tot, 1e-30))[:, None]
+            for kk in obs:
+                y[kk] = (n_w[kk] * per_round[kk] + tau * y[kk]) / (n_w[kk] + tau)
+        if rng is not None and self.explore_spread > 0:
+            unmeasured = np.array([kk not in obs for kk in range(ks.size)])
+            y[unmeasured] *= np.exp(self.explore_spread * rng.standard_normal(int(unmeasured.sum())))[:, None]
         y = np.maximum(y, 0.0)
         y[0, 0] = 0.0  # no draft steps at k = 0
         floor = 0.05 * max(float(y[0].sum()), 1e-9)
@@ -179,7 +233,8 @@ class CostModel:
                 "n_seen": self._n_seen, "fit": self._fit}
 
     def set_state(self, st: dict[str, Any]) -> None:
-        self._agg = {k: [float(x) for x in v] for k, v in st["agg"].items()}
+        # a snapshot from before the window count was kept: one window per aggregate
+        self._agg = {k: [float(x) for x in v] + [1.0] * (6 - len(v)) for k, v in st["agg"].items()}
         self._since_fit, self._n_seen = int(st["since_fit"]), int(st["n_seen"])
         fit = st["fit"]
         if fit is not None and "coef" in fit and len(fit["coef"]) != len(PARTS):  # a snapshot of the older model

@@ -18,14 +18,15 @@ def _cost(bb: int, k: int, secs: float) -> CostWindow:
                       latency_p99=secs)
 
 
-def _fed(slope_cells: int) -> GoodputPolicy:
+def _fed(slope_cells: int, known: tuple[int, int] = (1, 16), new: int = 4) -> GoodputPolicy:
     p = GoodputPolicy(k_max=4, seed=0, slope_cells=slope_cells)
     p.observe(AcceptanceWindow(target_version="t1", draft_version="d1", request_type="code", context_bucket="<=512",
                                k=2, rows=50, drafted=100, accepted=60, emitted=110, hist=(10, 20, 20)))
-    for bb, base in ((1, 0.01), (4, 0.02)):  # two cells seen at two ks each
+    for bb in known:  # two cells seen at two ks each
+        base = 0.01 * (1 + bb / 4)
         p.observe(_cost(bb, 0, base))
         p.observe(_cost(bb, 2, base * 1.5))
-    p.observe(_cost(16, 0, 0.05))  # the new cell: seen at k = 0 only
+    p.observe(_cost(new, 0, 0.01 * (1 + new / 4)))  # the new cell: seen at k = 0 only
     return p
 
 
@@ -39,9 +40,15 @@ def test_cells_with_slope_counts_cells_seen_at_two_ks() -> None:
 
 
 def test_new_cell_borrows_the_shared_slope() -> None:
-    b = Bucket("t1", "d1", "code", 16, "<=512")
+    b = Bucket("t1", "d1", "code", 4, "<=512")
     assert "cost probe" not in _fed(slope_cells=2).decide(b).reason
     assert "cost probe" in _fed(slope_cells=99).decide(b).reason  # nothing to borrow from: probe
+
+
+def test_cell_beyond_the_measured_batches_is_probed() -> None:
+    # Batches 1 and 4 cannot say whether a cost is fixed or per row; batch 64 is measured, not extrapolated.
+    b = Bucket("t1", "d1", "code", 64, "<=512")
+    assert "cost probe" in _fed(slope_cells=2, known=(1, 4), new=64).decide(b).reason
 
 
 # Seconds per round (draft, verify, other) measured on the reference engine (bench/results/engine.json, sample
