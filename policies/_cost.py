@@ -24,9 +24,9 @@ row) decides the extrapolation to batch 64, so a policy should measure a second 
 measured range (:meth:`CostModel.extrapolating`) rather than trust the guess.
 
 A cell's own measurements then correct the shared fit: each cell has a scale factor (its observed seconds over
-the model's, shrunk toward 1 with ``prior_windows``); a cell measured at two or more k > 0 corrects the shared
-slope in k with its own (a residual linear in k); and a k the cell was measured at is predicted from its
-measurement (shrunk toward the corrected model the same way).
+the model's, shrunk toward 1 with ``prior_windows``); a cell measured at three k > 0 (or two, 3 apart)
+corrects the shared slope in k with its own (a residual linear in k); and a k the cell was measured at is
+predicted from its measurement (shrunk toward the corrected model the same way).
 For Thompson sampling the seconds of a k the cell was never measured at are drawn around the prediction
 (log-normal, ``explore_spread``): a mis-extrapolated k then gets tried and measured instead of being ruled out
 for good by a deterministic guess.
@@ -44,6 +44,7 @@ from policies.base import context_len_of
 
 PRIOR_DRAFT_PER_K = 0.1  # before any fit: one draft step costs 10% of a verify forward (Leviathan's c)
 PARTS = ("draft", "verify", "other")
+MIN_OWN_SLOPE_SPAN = 3  # two ks closer than this give a cell's own slope from noise, not from cost
 ROUNDS_PER_FULL_WINDOW = 10.0  # a window of r rounds counts r / (r + 10) windows of evidence
 
 
@@ -202,10 +203,11 @@ class CostModel:
             mean_pred = expect / sum(n_w.values())
             scale = (seen + tau * mean_pred) / max(expect + tau * mean_pred, 1e-30)
             y = y * scale
-            # Measured at two or more k > 0: the cell's own slope in k corrects the shared one (a residual linear
-            # in k, weighted by evidence) for the ks it has not measured.
+            # Measured at three k > 0, or two far enough apart: the cell's own slope in k corrects the shared one
+            # (a residual linear in k, weighted by evidence) for the ks it has not measured. Two neighbouring ks
+            # measured in different windows mostly measure the machine's drift between them.
             pos = sorted(kk for kk in obs if kk > 0)
-            if len(pos) >= 2:
+            if len(pos) >= 3 or (len(pos) == 2 and pos[1] - pos[0] >= MIN_OWN_SLOPE_SPAN):
                 kp = np.array(pos, dtype=float)
                 res = np.array([per_round[kk].sum() - y[kk].sum() for kk in pos])
                 sw = np.sqrt(np.array([n_w[kk] for kk in pos]))

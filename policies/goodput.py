@@ -146,6 +146,9 @@ class GoodputPolicy(Policy):
         reason, exploring = "current best", False
         if any(k < 0 for k in cur):  # first decision for (some of) these types: the posterior mean's best
             new, reason = [int(x) for x in best_mean], "first decision"
+            if max(new) == 0 and self._cost.extrapolating(b.batch_bucket, b.context_bucket):
+                # Off on an extrapolation alone is a guess; off is decided on this cell's measurements.
+                new, reason = [int(np.argmax(g_shared[1:]) + 1)] * len(types), "first decision (on until measured)"
             base.update(zip(types, new, strict=True))
         else:
             ci = int(np.flatnonzero((combos == np.array(cur)).all(axis=1))[0])
