@@ -1,10 +1,10 @@
-"""The acceptance rule: hand-built edge cases, seeded determinism, and the distribution it preserves."""
+"""Sampling: the acceptance rule (edge cases, seeded determinism, the distribution it preserves) and draws."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.sampling import process_logits, rejection_sample
+from engine.sampling import process_logits, rejection_sample, sample
 
 
 def _dists(v: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,3 +93,16 @@ def test_speculative_sampling_preserves_target_distribution() -> None:
 
 def test_wrong_rule_fails_the_same_test() -> None:
     assert _first_token_tv(True) > 0.05
+
+
+def test_sample_follows_the_distribution_and_never_picks_zero_mass() -> None:
+    p = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0], dtype=torch.float64)
+    n = 200_000
+    x = sample(p.expand(n, -1).contiguous(), torch.Generator().manual_seed(1))
+    freq = torch.bincount(x, minlength=5).double() / n
+    assert freq[1] == 0 and freq[4] == 0  # zero-probability tokens, also the last one, are never drawn
+    assert 0.5 * (freq - p).abs().sum() < 0.005
+    # unnormalised rows and a row whose only mass is its first token
+    q = torch.tensor([[2.0, 0.0, 2.0], [1.0, 0.0, 0.0]])
+    y = sample(q.repeat(1000, 1), torch.Generator().manual_seed(2)).view(1000, 2)
+    assert set(y[:, 0].tolist()) == {0, 2} and set(y[:, 1].tolist()) == {0}
