@@ -157,10 +157,15 @@ class GoodputPolicy(Policy):
                 st["hold"] -= 1
                 reason = "holding after a switch"
             elif g_mean.max() > g_mean[ci] * (1.0 + self._margin(max(cur), int(best_mean.max()))):
-                # Switch on the posterior mean only, then hold: no flapping (vLLM #49548).
-                new, reason = [int(x) for x in best_mean], "switch: expected gain above margin"
-                base.update(zip(types, new, strict=True))
-                st["hold"] = self.hold_decisions
+                new = [int(x) for x in best_mean]
+                if max(new) == 0 and 0 not in self._cost.ks_seen(b.batch_bucket, b.context_bucket):
+                    # Off on a predicted cost alone is a guess: measure k = 0 here for one decision first.
+                    reason, exploring = "probe k=0 before turning speculation off", True
+                else:
+                    # Switch on the posterior mean only, then hold: no flapping (vLLM #49548).
+                    reason = "switch: expected gain above margin"
+                    base.update(zip(types, new, strict=True))
+                    st["hold"] = self.hold_decisions
             else:
                 # Exploration tries one k for the whole cell (mixed ks pay the largest k's verify), near the
                 # incumbent, never k = 0: turning the draft off and on costs a catch-up of every token it missed,

@@ -72,3 +72,30 @@ def test_cost_model_extrapolates_to_a_larger_batch() -> None:
         assert 0.6 < pred / truth < 1.5, (b, k, pred, truth)
     tot = m.predict(64, "<=512").sum(axis=1)
     assert (np.diff(tot) > 0).all()  # every extra draft token costs something
+
+
+def _acc(rtype: str, k: int, hist: tuple[int, ...]) -> AcceptanceWindow:
+    rows = sum(hist)
+    acc = sum(i * n for i, n in enumerate(hist))
+    return AcceptanceWindow(target_version="t1", draft_version="d1", request_type=rtype, context_bucket="<=512",
+                            k=k, rows=rows, drafted=rows * k, accepted=acc, emitted=acc + rows, hist=hist)
+
+
+def test_speculation_is_turned_off_only_after_measuring_k0_in_the_cell() -> None:
+    p = GoodputPolicy(k_max=2, seed=0, hold_decisions=0)
+    for bb in (1, 16):  # the shared cost model knows k = 0 and k = 2 elsewhere: k = 2 costs twice k = 0
+        base = 0.01 * (1 + bb / 4)
+        p.observe(_cost(bb, 0, base))
+        p.observe(_cost(bb, 2, base * 2.0))
+    b = Bucket("t1", "d1", "code", 4, "<=512")
+    p.observe(_acc("code", 2, (0, 0, 500)))  # every draft accepted: k = 2 wins
+    p.observe(_cost(4, 2, 0.02 * 2.0))
+    assert p.decide(b).k == 2
+    for _ in range(40):  # the draft stops agreeing: nothing is accepted any more
+        p.observe(_acc("code", 2, (500, 0, 0)))
+    d = p.decide(b)
+    assert (d.k, d.exploring) == (0, True) and "probe k=0" in d.reason  # measured first, not switched
+    p.observe(_cost(4, 0, 0.02))
+    p.observe(_acc("code", 2, (500, 0, 0)))
+    d = p.decide(b)
+    assert d.k == 0 and not d.exploring and d.reason.startswith("switch")
