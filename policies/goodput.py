@@ -166,11 +166,13 @@ class GoodputPolicy(Policy):
                     reason = "switch: expected gain above margin"
                     base.update(zip(types, new, strict=True))
                     st["hold"] = self.hold_decisions
-            else:
+            elif max(cur) > 0:
                 # Exploration tries one k for the whole cell (mixed ks pay the largest k's verify), near the
                 # incumbent, never k = 0: turning the draft off and on costs a catch-up of every token it missed,
-                # so k = 0 is reached by the mean (with off_margin) or by a cost probe, not by a lucky draw.
-                centre = max(cur) if max(cur) > 0 else int(np.argmax(g_shared[1:]) + 1)
+                # so k = 0 is reached by the mean (with off_margin) or by a cost probe, not by a lucky draw. For
+                # the same reason a cell that is off is not explored by draws either: it is re-probed every
+                # probe_every decisions, or switched back on by the mean.
+                centre = max(cur)
                 r = self.explore_radius
                 near = np.arange(max(1, centre - r), min(self.k_max, centre + r) + 1)
                 k_draw = int(near[np.argmax(g_draw[near])])
