@@ -11,12 +11,15 @@ A round costs what its largest k costs, so k is chosen jointly for the request t
 (:func:`policies.analytic.batch_goodput`, with the recent request mix of the context bucket); a bucket's k is its
 type's entry in that joint choice. The incumbent k changes only when the posterior-mean gain exceeds
 ``switch_margin``, and then holds for ``hold_decisions`` (vLLM issue #49548: K flipping 2 <-> 0 collapses
-throughput). Exploration is Thompson sampling over the acceptance posteriors and the seconds of ks a cell was
-never measured at: when a draw favours another k by the margin, that k is served for one decision (measured,
-not adopted); a cell seen at only one k is probed once at a contrasting k so the cost slope is identified; a
-cell that turned speculation off is re-probed every ``probe_every`` decisions. Exploration tries one k for
-the whole cell (mixed ks pay the largest k's verify). A model update shows up as new versions in the bucket;
-their acceptance starts from the previous version's type curve with a small pseudo-count.
+throughput); turning speculation off needs ``off_margin`` and a measurement of k = 0 in that cell (switching
+back on costs the draft a catch-up of every token it missed). Exploration is Thompson sampling over the
+acceptance posteriors and the seconds of ks a cell was never measured at: when a draw favours another k by the
+margin, that k is served for one decision (measured, not adopted) — one k for the whole cell (mixed ks pay the
+largest k's verify), within ``explore_radius`` of the incumbent, never 0 and never from a cell that is off. A
+cell seen at one k only, beyond the batch/context range the cost model has measured, is probed once at a
+second k; a cell that is off is re-probed every ``probe_every`` decisions. A model update shows up as new
+versions in the bucket; their acceptance starts from the previous version's type curve with a small
+pseudo-count.
 """
 
 from __future__ import annotations
