@@ -7,7 +7,7 @@ version of this file) extrapolated a batch of 64 from batches 1 and 4 to plain r
 policy switched speculation off where it wins 1.25x (measured on the reference engine).
 
 So each part of a round is a non-negative combination of the work it does (fitted by non-negative least squares
-on the aggregated cost windows, relative errors, ``scipy.optimize.nnls``):
+on the aggregated cost windows, relative errors: scikit-learn's ``LinearRegression(positive=True)``):
 
 - draft  = k (d0 + d1 B + d2 B C)                    k draft forwards (fixed overhead, per-row compute,
            + [k > 0] (d3 + d4 B)                     per-row attention), the first one wider by the catch-up;
@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from scipy.optimize import nnls
+from sklearn.linear_model import LinearRegression
 
 from policies.base import context_len_of
 
@@ -162,10 +162,10 @@ class CostModel:
             if not use.any():
                 coef.append([0.0] * x.shape[1])
                 continue
-            xs = x[use] * w[use, None]
-            norm = np.maximum(np.abs(xs).max(axis=0), 1e-30)  # column scaling for a well-conditioned solve
-            sol, _ = nnls(xs / norm, y[use, j] * w[use], maxiter=50 * x.shape[1])
-            coef.append((sol / norm).tolist())
+            norm = np.maximum(np.abs(x[use]).max(axis=0), 1e-30)  # column scaling for a well-conditioned solve
+            fit = LinearRegression(fit_intercept=False, positive=True).fit(
+                x[use] / norm, y[use, j], sample_weight=w[use] ** 2)
+            coef.append((fit.coef_ / norm).tolist())
         self._fit = {"coef": coef}
 
     def _model(self, b: float, c: float, ks: np.ndarray) -> np.ndarray:
