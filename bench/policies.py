@@ -190,20 +190,27 @@ def bucket_metrics(res: SimResult, oracle: SimResult, specs: Sequence[WindowSpec
             "k_changes_per_1000": 1000.0 * changes / max(bucket_rounds, 1)}
 
 
+def lineup(static_k: int, schedule: list[list[int]], seed: int) -> dict[str, Policy]:
+    """Every registered policy, in registry order: ``static`` at the swept k, ``batch_table`` with the swept
+    schedule, the others with their defaults."""
+    out: dict[str, Policy] = {}
+    for name, cls in REGISTRY.items():
+        if name == "static":
+            out[name] = StaticPolicy(k=static_k, k_max=K_MAX, seed=seed)
+        elif name == "batch_table":
+            out[name] = BatchTablePolicy(schedule=schedule, k_max=K_MAX, seed=seed)
+        else:
+            out[name] = cls(k_max=K_MAX, seed=seed)
+    return out
+
+
 def run_simulator_section(cal: Calibration, quick: bool, seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
     total = 60_000 if quick else 300_000
     specs = workload(cal.types, total, seed)
     cal.note_batches([s.batch_size for s in specs])
     static_k = best_static_k(cal, specs)
     schedule = best_batch_schedule(cal, specs)
-    policies: dict[str, Policy] = {}
-    for name, cls in REGISTRY.items():
-        if name == "static":
-            policies[name] = StaticPolicy(k=static_k, k_max=K_MAX, seed=seed)
-        elif name == "batch_table":
-            policies[name] = BatchTablePolicy(schedule=schedule, k_max=K_MAX, seed=seed)
-        else:
-            policies[name] = cls(k_max=K_MAX, seed=seed)
+    policies = lineup(static_k, schedule, seed)
     oracle = simulate(TablePolicy(oracle_table(cal, specs)), cal, specs, seed=seed)
     out: dict[str, Any] = {"oracle_tok_s": oracle.tok_s, "rounds": int(oracle.rounds.sum()),
                            "windows": len(specs), "window_s": WINDOW_S, "calibration_device": cal.device,
@@ -448,14 +455,7 @@ def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = Non
     cell_k = best_k_by(lambda s: _cell_of(s, ctx_label))
     table = {Bucket(v, models.draft_version, t, bb, cb).key(): k for (v, bb, cb), k in cell_k.items() for t in types}
     # static is re-run beside the others (its sweep run met other moments of contention)
-    pols: dict[str, Policy] = {"oracle": TablePolicy(table)}
-    for name, cls in REGISTRY.items():
-        if name == "static":
-            pols[name] = StaticPolicy(k=static_k, k_max=K_MAX, seed=seed)
-        elif name == "batch_table":
-            pols[name] = BatchTablePolicy(schedule=schedule, k_max=K_MAX, seed=seed)
-        else:
-            pols[name] = cls(k_max=K_MAX, seed=seed)
+    pols: dict[str, Policy] = {"oracle": TablePolicy(table), **lineup(static_k, schedule, seed)}
     results = stage(pols, "policies")
     oracle = results.pop("oracle")
     out: dict[str, Any] = {

@@ -108,13 +108,17 @@ class CostModel:
         pre = f"{batch_bucket}|{ctx}|"
         return {int(key[len(pre):]) for key in self._agg if key.startswith(pre)}
 
-    def cells_with_slope(self) -> int:
-        """Cells seen at two or more k: what identifies the shared slope in k that unprobed cells borrow."""
+    def _cells_with_slope(self) -> list[tuple[int, str]]:
+        """(batch bucket, context bucket) of every cell measured at two or more k."""
         ks: dict[str, set[str]] = {}
         for key in self._agg:
             cell, k = key.rsplit("|", 1)
             ks.setdefault(cell, set()).add(k)
-        return sum(len(v) >= 2 for v in ks.values())
+        return [(int(bb), ctx) for bb, ctx in (c.split("|", 1) for c, v in ks.items() if len(v) >= 2)]
+
+    def cells_with_slope(self) -> int:
+        """Cells seen at two or more k: what identifies the shared slope in k that unprobed cells borrow."""
+        return len(self._cells_with_slope())
 
     def k0_measured(self) -> bool:
         """Some cell was measured with speculation off (identifies the jump in cost at k > 0)."""
@@ -122,16 +126,12 @@ class CostModel:
 
     def extrapolating(self, batch_bucket: int, ctx: str) -> bool:
         """True when the cell lies beyond every cell measured at two or more k (larger batch or context)."""
-        ks: dict[str, set[str]] = {}
-        for key in self._agg:
-            cell, k = key.rsplit("|", 1)
-            ks.setdefault(cell, set()).add(k)
-        known = [c.split("|", 1) for c, v in ks.items() if len(v) >= 2]
+        known = self._cells_with_slope()
         if not known:
             return True
         b = self.mean_batch(batch_bucket, ctx)
         c = context_len_of(ctx)
-        return b > 1.01 * max(self.mean_batch(int(kb), kc) for kb, kc in known) or c > max(
+        return b > 1.01 * max(self.mean_batch(kb, kc) for kb, kc in known) or c > max(
             context_len_of(kc) for _, kc in known)
 
     def mean_batch(self, batch_bucket: int, ctx: str) -> float:
