@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.policies import EnginePlan, replay_interleaved, schedule_from_best
+from bench.policies import EnginePlan, median_of_repeats, replay_interleaved, schedule_from_best
 from bench.simulator import Calibration, WindowSpec, workload
 from policies import GoodputPolicy, StaticPolicy
 
@@ -61,6 +61,23 @@ def test_schedule_from_best_fills_gaps_and_merges() -> None:
     assert schedule_from_best({4: 3}) == [[1, 256, 3]]
 
 
+def test_median_of_repeats_takes_ratios_within_each_repeat() -> None:
+    # Repeat 2 ran on a machine twice as fast: every tok/s doubled, no ratio changed.
+    def rep(scale: float, g: float) -> dict[str, object]:
+        pol = {"static": 100.0, "goodput": g}
+        return {"oracle_tok_s": 110.0 * scale, "rounds": 7,
+                "policies": {n: {"tok_s": v * scale, "ratio_to_oracle": v / 110.0, "k_changes_per_1000": v}
+                             for n, v in pol.items()}}
+
+    out = median_of_repeats([rep(1.0, 99.0), rep(2.0, 88.0), rep(1.0, 110.0)])
+    assert out["goodput_over"]["static"] == pytest.approx(0.99)  # median of 0.99, 0.88, 1.10
+    assert out["oracle_over_static"] == pytest.approx(1.1)
+    g = out["policies"]["goodput"]
+    assert g["ratio_to_oracle"] == pytest.approx(0.9) and g["k_changes_per_1000"] == 99.0  # the median repeat
+    assert g["ratio_to_oracle_repeats"] == pytest.approx([0.9, 0.8, 1.0])
+    assert len(out["repeats"]) == 3
+
+
 def test_workload_caps_batch_sizes() -> None:
     specs = workload(["code", "prose", "structured"], 20_000, seed=0, batch_cap=32, long_batch_cap=4)
     assert max(s.batch_size for s in specs) <= 32
@@ -84,7 +101,7 @@ def tiny_models() -> object:
 
 def test_engine_replay_is_closed_loop_and_seeded(tiny_models: object) -> None:
     plan = EnginePlan(windows=4, window_s=0.01, sweep_ks=(0, 2), batch_cap=4, long_batch_cap=2, stretch=(1, 2),
-                      prompt_bytes=(("short", 16), ("long", 64)), max_new_tokens=8)
+                      repeats=1, prompt_bytes=(("short", 16), ("long", 64)), max_new_tokens=8)
     prompts = {(t, cx): [bytes([65 + i]) * n for i in range(4)]
                for t in ("code", "prose", "structured") for cx, n in plan.prompt_bytes}
     mix = (0.4, 0.4, 0.2)
