@@ -2,10 +2,10 @@
 
 Run: ``python -m bench.policies [--quick] [--calibration bench/results/engine.json] [--checkpoints DIR]
 [--no-engine] [--json PATH]``. Writes the JSON (``{"simulator": {...}, "engine": {...}}``) and a cumulative-regret
-PNG (one panel per section) next to it. Full: 300k simulated rounds (about a minute) and a 48-window engine
-replay of every policy (about 6.5 minutes and 4.6 GB peak on one contended CPU core: every policy's engines keep
-their KV caches while the policies run interleaved); ``--quick``: 60k rounds and 12 windows (about a minute in
-all). Run with ``OMP_NUM_THREADS=1`` on a shared machine.
+PNG (one panel per section) next to it. Full: 300k simulated rounds (about a minute), then on the engine one
+48-window sweep of six static ks and three 48-window replays of every policy (about 15 minutes on one CPU thread,
+4.6 GB peak: every policy's engines keep their KV caches while the policies run interleaved); ``--quick``: 60k
+rounds, 12 windows, one replay (about a minute in all). The engine section runs on one thread.
 
 **Workload** (:data:`bench.simulator.PHASES`, recorded in each section's ``"workload"``): six phases, load
 staying put for 3-10 windows at a time — low load (batch 1/4, short contexts, balanced mix), load rising
