@@ -579,7 +579,7 @@ def print_table(section: dict[str, Any], title: str) -> None:
         t.add_row(label, f"{e['tok_s']:.1f}", f"{e['ratio_to_oracle']:.3f}", f(e["rounds_to_90_cold"]),
                   f(e["rounds_to_90_after_update"]), f"{e['k_changes_per_1000']:.1f}")
     Console().print(t)
-    print("  " + ", ".join(f"goodput / {o}: {r:.3f}" for o, r in section["goodput_over"].items())
+    print("  " + ", ".join(f"goodput / {o}: {r:.4f}" for o, r in section["goodput_over"].items())
           + f"; ceiling oracle / static: {section['oracle_over_static']:.3f}")
 
 
