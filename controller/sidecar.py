@@ -32,7 +32,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from controller.metrics import SidecarMetrics
 from controller.publish import Publisher
-from policies.base import Decision, Policy
+from policies.base import Decision, Policy, cell_key
 from telemetry.errors import SpectuneError, StoreError, TransportError
 from telemetry.ingest import Consumer, ConsumerConfig
 from telemetry.records import (
@@ -62,6 +62,11 @@ class SidecarConfig:
     publish_every_s: float = 1.0  # ... or this many seconds (also how soon a pin made in SQL takes effect)
     warm_start_windows: int = 20_000  # newest stored windows replayed into the policy at start-up (0 = cold)
     max_table_buckets: int = 4096  # cap on exact entries in a table (versions x types x batch x context)
+    # A bucket explores only while its cell (versions, batch bucket, context bucket) has traffic: a cost window
+    # within the last this-many decisions. Other buckets get the policy's current best without exploration (no
+    # rows there to measure a probe, and probing them only churns the table: after a model update the old
+    # version's cells were otherwise probed at k=0 and the default k followed them).
+    explore_active_decisions: int = 3
     consumer: ConsumerConfig = field(default_factory=ConsumerConfig)
 
     def __post_init__(self) -> None:
@@ -69,8 +74,9 @@ class SidecarConfig:
             raise ValueError(f"SidecarConfig.publish_every_windows must be >= 1, got {self.publish_every_windows}")
         if self.publish_every_s <= 0:
             raise ValueError(f"SidecarConfig.publish_every_s must be > 0, got {self.publish_every_s}")
-        if self.warm_start_windows < 0 or self.max_table_buckets < 1:
-            raise ValueError("SidecarConfig needs warm_start_windows >= 0 and max_table_buckets >= 1")
+        if self.warm_start_windows < 0 or self.max_table_buckets < 1 or self.explore_active_decisions < 1:
+            raise ValueError("SidecarConfig needs warm_start_windows >= 0, max_table_buckets >= 1 and "
+                             "explore_active_decisions >= 1")
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,8 @@ class Sidecar:
         self._consumer = Consumer(transport, store, config.consumer)
         self._lock = threading.RLock()  # the policy and the version counter (loop thread vs HTTP threads)
         self._seen: dict[tuple[str, str], _Seen] = {}
+        self._decisions = 0  # decisions taken (publish_if_changed calls)
+        self._last_traffic: dict[str, int] = {}  # cell key -> self._decisions when its last cost window came
         self._version = 0
         self._current: PolicyTable | None = None
         self._unpublished: PolicyTable | None = None  # stored but not yet delivered (publisher was down)
@@ -261,6 +269,8 @@ class Sidecar:
         else:
             s.batch.add(w.batch_bucket)
             s.context.add(w.context_bucket)
+            self._last_traffic[cell_key(w.target_version, w.draft_version, w.batch_bucket, w.context_bucket)] = (
+                self._decisions)
             if count_metrics:
                 self.metrics.on_cost()
         self._since_decide += 1
@@ -300,13 +310,14 @@ class Sidecar:
             The new table, or None when nothing changed (or it could not be stored).
         """
         with self._lock:
+            self._decisions += 1
             self._since_decide = 0
             self._next_tick = time.monotonic() + self.config.publish_every_s
             self._retry_unpublished()
             buckets = self.buckets()
             t0 = time.perf_counter()
             try:
-                decisions = {b.key(): self.policy.decide(b) for b in buckets}
+                decisions = {b.key(): self.policy.decide(b, explore=self._active(b)) for b in buckets}
             except Exception as e:  # a policy bug must not take the sidecar down; the last table stays
                 self._count_rejected("policy_error")
                 self._error(e)
@@ -327,6 +338,11 @@ class Sidecar:
                 return None
             reason = _describe(cur, entries, default_k, pins, trigger)
             return self._store_and_publish(entries, default_k, reason, decisions)
+
+    def _active(self, b: Bucket) -> bool:
+        """Whether ``b``'s cell had a cost window within the last ``explore_active_decisions`` decisions."""
+        last = self._last_traffic.get(cell_key(b.target_version, b.draft_version, b.batch_bucket, b.context_bucket))
+        return last is not None and self._decisions - last <= self.config.explore_active_decisions
 
     def _store_and_publish(self, entries: dict[str, int], default_k: int, reason: str,
                            decisions: dict[str, Decision]) -> PolicyTable | None:

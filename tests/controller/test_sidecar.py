@@ -195,3 +195,58 @@ def test_a_failing_policy_never_takes_the_sidecar_down(sqlite_url: str) -> None:
         assert sc.publish_now("x") is None and sc.current is None
         assert sc.rejected.get("policy_error", 0) >= 1 and "ZeroDivisionError" in (sc.last_error or "")
         assert sc.windows_ingested > 0
+
+
+def test_buckets_without_traffic_are_not_explored(sqlite_url: str) -> None:
+    # After a model update the old version's cells get no more windows: they must keep their last k (no probes,
+    # no Thompson draws there) while the new version's cells learn. Before, the old cells kept being probed (k=0
+    # probes included) on every publish, and the table's default k followed them.
+    from policies.base import Decision
+    from policies.goodput import GoodputPolicy
+    from telemetry.records import Bucket
+    from telemetry.synthetic import SyntheticConfig
+
+    class Recording(GoodputPolicy):
+        def __init__(self) -> None:
+            super().__init__(k_max=8, seed=0)
+            self.calls: list[tuple[str, bool]] = []
+
+        def decide(self, bucket: Bucket, explore: bool = True) -> Decision:
+            self.calls.append((bucket.target_version, explore))
+            return super().decide(bucket, explore)
+
+    def feed_version(t: Transport, n: int, version: str, seed: int) -> None:
+        em = Emitter(t, EmitterConfig("e1"), start=False)
+        for i, r in enumerate(synthetic_rounds(n, seed=seed, config=SyntheticConfig(target_version=version))):
+            em.record(r)
+            if i % 40 == 39:
+                em.flush()
+        em.flush()
+
+    t = InProcessTransport()
+    pol = Recording()
+    with Store(sqlite_url, auto_upgrade=True) as store:
+        sc = Sidecar(SidecarConfig(consumer=FAST, publish_every_windows=8, explore_active_decisions=2), t, store,
+                     pol, CallbackPublisher())
+        feed_version(t, 600, "target-v1", seed=0)
+        sc.drain()
+        sc.publish_now("learned")
+        assert any(v == "target-v1" and e for v, e in pol.calls)  # v1 explored while it had traffic
+        pol.calls.clear()
+        quiet: dict[str, int] | None = None
+        calls_quiet = 0
+        for i in range(8):  # the update: v2 traffic only, a decision after each burst
+            feed_version(t, 200, "target-v2", seed=10 + i)
+            sc.drain()
+            sc.publish_now("learned")
+            assert sc.current is not None
+            v1_now = {k: v for k, v in sc.current.entries.items() if k.startswith("target-v1|")}
+            if i == 2:  # past explore_active_decisions: v1 is quiet from here on
+                quiet, calls_quiet = v1_now, len(pol.calls)
+            elif i > 2:
+                assert v1_now == quiet
+        assert quiet
+        v1 = [e for v, e in pol.calls[calls_quiet:] if v == "target-v1"]
+        v2 = [e for v, e in pol.calls[calls_quiet:] if v == "target-v2"]
+        assert v1 and not any(v1)  # quiet cells are decided without exploration ...
+        assert any(v2)  # ... while the cells with traffic explore
