@@ -131,12 +131,12 @@ class GoodputPolicy(Policy):
         types = sorted(set(mix) | {b.request_type})
         w = np.array([max(mix.get(t, 0.0) / total if total else 0.0, MIN_TYPE_WEIGHT) for t in types])
         st = self._cells.get(ckey)
-        if st is not None and st["epoch"] == self._n_windows and b.request_type in st["ks"]:
+        if explore and st is not None and st["epoch"] == self._n_windows and b.request_type in st["ks"]:
             return self._result(st, b.request_type, "cached")  # one decision per cell per batch of windows
         combos, g_mean, g_shared = self._evaluate(b, types, w, None)
         best_mean = combos[int(np.argmax(g_mean))]
         expected = {k: float(v) for k, v in enumerate(g_shared) if np.isfinite(v)}
-        if not explore:
+        if not explore:  # the incumbent, not a probe or draw served this epoch
             inc = st.get("base", st["ks"]) if st is not None else {}
             ks = inc if all(t in inc for t in types) else dict(zip(types, best_mean, strict=True))
             return Decision(k=int(ks[b.request_type]), expected_goodput=expected, reason="current best, no exploration")

@@ -45,6 +45,18 @@ def test_new_cell_borrows_the_shared_slope() -> None:
     assert "cost probe" in _fed(slope_cells=99).decide(b).reason  # nothing to borrow from: probe
 
 
+def test_without_exploration_the_incumbent_is_returned_not_the_probe() -> None:
+    # What the sidecar asks for a bucket without traffic: a probe served there would measure nothing.
+    b = Bucket("t1", "d1", "code", 8, "<=512")
+    p = _fed(slope_cells=99)
+    p.observe(_cost(8, 3, 0.03 * 1.5))  # a cell seen at k = 3 only: probed at a second k (1)
+    probe = p.decide(b)
+    assert probe.exploring and "cost probe" in probe.reason
+    quiet = p.decide(b, explore=False)
+    assert not quiet.exploring and quiet.k != probe.k
+    assert p.decide(b).k == probe.k  # the probe is still what this epoch serves to traffic
+
+
 def test_cell_beyond_the_measured_batches_is_probed() -> None:
     # Batches 1 and 4 cannot say whether a cost is fixed or per row; batch 64 is measured, not extrapolated.
     b = Bucket("t1", "d1", "code", 64, "<=512")
