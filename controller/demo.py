@@ -127,7 +127,9 @@ class _Engine:
 
 def _play(name: str, eng: _Engine, phases: Sequence[Phase], decide: Callable[[str, int, int], int] | None,
           hooks: EngineHooks | None, progress: Callable[[RunLog, int, float], None]) -> RunLog:
-    """One pass of the workload; ``hooks`` (learned run) or a fixed ``decide`` (baselines)."""
+    """One pass of the workload. k comes from ``decide`` when given (baselines), else from ``hooks`` (the learned
+    run); rounds go to ``hooks`` either way (a baseline's sidecar then learns in shadow: same telemetry and
+    sidecar work on the machine, decisions not applied)."""
     engine = eng.fresh()
     log = RunLog(name, started_at=time.time())
     phase_index = {id(p): i for i, p in enumerate(phases)}
@@ -148,21 +150,32 @@ def _play(name: str, eng: _Engine, phases: Sequence[Phase], decide: Callable[[st
             log.rows.append((t, pi, r.target_version, row.request_type, row.k, row.accepted, row.emitted))
         progress(log, pi, t)
 
-    fn = hooks.decide if hooks is not None else decide
+    fn = decide if decide is not None else hooks.decide if hooks is not None else None
     assert fn is not None
     log.wall_s = drive(engine, fn, phases, RequestStream(eng.pool, eng.cfg.seed), on_round, update)
     return log
 
 
-def _learned_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: Path,
-                 progress: Callable[[RunLog, int, float], None],
-                 on_sidecar: Callable[[Sidecar], None] = lambda _s: None) -> tuple[RunLog, Sidecar]:
-    """The live run: engine hooks -> transport -> sidecar thread (goodput) -> client."""
+def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: Path, name: str,
+              progress: Callable[[RunLog, int, float], None], decide: Callable[[str, int, int], int] | None = None,
+              on_sidecar: Callable[[Sidecar], None] = lambda _s: None) -> tuple[RunLog, Sidecar]:
+    """A run with engine hooks -> transport -> sidecar thread (goodput) -> client.
+
+    ``decide`` None: the learned run, k from the sidecar (store: ``cfg.db_url`` or the run folder's
+    ``spectune.sqlite``). ``decide`` given: a baseline whose k is fixed while a sidecar learns in shadow beside
+    it (store: ``shadow-<name>.sqlite`` in the run folder), so that every run carries the same telemetry and
+    sidecar load on the machine (on two cores an in-process sidecar costs the engine a few percent) and the runs
+    differ only in how k is chosen.
+    """
     from policies import REGISTRY
 
     m = eng.models
-    prefix = f"spectune-demo-{run_dir.name}"
-    store = Store(cfg.db_url or f"sqlite:///{(run_dir / 'spectune.sqlite').resolve()}", auto_upgrade=True)
+    tag = "" if decide is None else "-" + "-".join("".join(c if c.isalnum() else " " for c in name).split())
+    prefix = f"spectune-demo-{run_dir.name}{tag}"
+    shadow = run_dir / f"shadow{tag}.sqlite"
+    db_url = cfg.db_url if decide is None else None
+    store = Store(db_url or f"sqlite:///{(shadow if decide is not None else run_dir / 'spectune.sqlite').resolve()}",
+                  auto_upgrade=True)
     transport: Transport
     engine_transport: Transport
     publisher: Publisher
@@ -181,10 +194,10 @@ def _learned_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir
         transport, store, REGISTRY["goodput"](k_max=cfg.k_max, seed=cfg.seed), publisher)
     on_sidecar(sidecar)
     sidecar.start()
-    emitter = Emitter(engine_transport, EmitterConfig(engine_id="demo-engine", interval_s=cfg.window_s))
+    emitter = Emitter(engine_transport, EmitterConfig(engine_id=f"demo-engine{tag}", interval_s=cfg.window_s))
     hooks = EngineHooks(client, emitter)
     try:
-        log = _play("learned", eng, phases, None, hooks, progress)
+        log = _play(name, eng, phases, decide, hooks, progress)
     finally:
         hooks.close()
         sidecar.stop()
@@ -233,27 +246,29 @@ def run_demo(cfg: DemoConfig) -> Path:
             return cb
 
         task = prog.add_task("learned (sidecar, live)", total=total, info="")
-        learned, sidecar = _learned_run(cfg, eng, phases, run_dir, progress_for(task), live.append)
+        learned, sidecar = _live_run(cfg, eng, phases, run_dir, "learned", progress_for(task),
+                                     on_sidecar=live.append)
         prog.update(task, completed=total)
         logs.append(learned)
 
         task = prog.add_task(f"static k={cfg.static_k}", total=total, info="")
-        logs.append(_play(f"static k={cfg.static_k}", eng, phases, lambda *_: cfg.static_k, None,
-                          progress_for(task)))
+        logs.append(_live_run(cfg, eng, phases, run_dir, f"static k={cfg.static_k}", progress_for(task),
+                              lambda *_: cfg.static_k)[0])
         prog.update(task, completed=total)
 
         best = best_per_cell(logs)
         task = prog.add_task("best per bucket (hindsight)", total=total, info="")
-        logs.append(_play_best(eng, phases, {c: k for c, (k, _) in best.items()}, cfg.static_k, progress_for(task)))
+        logs.append(_play_best(cfg, eng, phases, run_dir, {c: k for c, (k, _) in best.items()}, progress_for(task)))
         prog.update(task, completed=total)
 
     write_report(run_dir, cfg, phases, logs, sidecar, best, console, m.target_v2_version)
     return run_dir
 
 
-def _play_best(eng: _Engine, phases: Sequence[Phase], table: dict[tuple[str, int, str], int], fallback: int,
-               progress: Callable[[RunLog, int, float], None]) -> RunLog:
-    """A fixed table per (version, batch bucket, context bucket): the hindsight baseline."""
+def _play_best(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: Path,
+               table: dict[tuple[str, int, str], int], progress: Callable[[RunLog, int, float], None]) -> RunLog:
+    """A fixed table per (version, batch bucket, context bucket): the hindsight baseline (static k elsewhere)."""
+    fallback = cfg.static_k
     engine_versions = {"v": eng.models.target_version}
 
     def decide(_rtype: str, batch: int, ctx: int) -> int:
@@ -265,7 +280,7 @@ def _play_best(eng: _Engine, phases: Sequence[Phase], table: dict[tuple[str, int
             engine_versions["v"] = log.rounds[-1][2]
         progress(log, pi, t)
 
-    return _play("best per bucket (hindsight)", eng, phases, decide, None, track)
+    return _live_run(cfg, eng, phases, run_dir, "best per bucket (hindsight)", track, decide)[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
