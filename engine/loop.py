@@ -224,6 +224,7 @@ class SpecEngine:
         live = [i for i, s in enumerate(self.slots) if s is not None]
         if not live:
             return None
+        clock.mark()  # --- end of admission (the target's prefill of new prompts)
         bsz = len(live)
         rows_k = []
         for i in live:
@@ -236,7 +237,7 @@ class SpecEngine:
         temps = torch.tensor([self._row(i).req.temperature for i in live], device=self.device)
         top_p = torch.tensor([self._row(i).req.top_p for i in live], device=self.device)
         contexts = [len(self._row(i).tokens) for i in live]
-        clock.mark()  # --- end of admission / other
+        clock.mark()  # --- end of the round's set-up (other)
 
         draft_tokens, draft_probs = self._draft(live, rows_k, kmax, temps, top_p)
         clock.mark()  # --- end of drafting
@@ -270,21 +271,22 @@ class SpecEngine:
             row_records.append(RowRecord(s.req.request_type, contexts[j], rows_k[j], a, kept))
             self._maybe_retire(i)
         clock.mark()  # --- end of bookkeeping
-        spans = clock.spans()
-        other = spans[0] + spans[3]
+        spans = clock.spans()  # prefill, set-up, draft, verify, bookkeeping
+        other = spans[1] + spans[4]
         self.round_index += 1
         return RoundRecord(
             round_index=self.round_index - 1,
             batch_size=bsz,
             max_k=kmax,
             tokens_verified=bsz * (kmax + 1),
-            draft_s=spans[1],
-            verify_s=spans[2],
+            draft_s=spans[2],
+            verify_s=spans[3],
             other_s=other,
             target_version=self.target_version,
             draft_version=self.draft_version,
             rows=tuple(row_records),
             timestamp=time.time(),
+            prefill_s=spans[0],
         )
 
     # ------------------------------------------------------------------------------------------ internals

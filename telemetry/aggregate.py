@@ -92,7 +92,7 @@ def check_round(r: RoundRecord, _known_names: set[str] | None = None) -> None:
         raise RecordError("out_of_range", f"max_k={r.max_k} outside [0, {MAX_DRAFT_LEN}]")
     if r.batch_size < 1 or r.round_index < 0:
         raise RecordError("out_of_range", f"batch_size={r.batch_size}, round_index={r.round_index}")
-    for t in (r.draft_s, r.verify_s, r.other_s):
+    for t in (r.draft_s, r.verify_s, r.other_s, r.prefill_s):
         if not math.isfinite(t):
             raise RecordError("non_finite", "a round time is not finite")
         if t < 0:
@@ -169,7 +169,7 @@ def aggregate(rounds: Iterable[RoundRecord], buckets: BucketConfig = DEFAULT_BUC
         tv, dv = r.target_version, r.draft_version
         max_ctx = 0
         emitted = 0
-        wall = r.draft_s + r.verify_s + r.other_s
+        wall = r.draft_s + r.verify_s + r.other_s + r.prefill_s  # what a row waited for this round's tokens
         lat: list[float] = []
         for row in r.rows:  # the hot loop: one tuple and one dict update per row, folded per key below
             ctx, e = row.context_len, row.emitted

@@ -129,15 +129,19 @@ class RoundRecord:
     tokens_verified: int  # batch_size * (max_k + 1)
     draft_s: float  # seconds drafting (device time on CUDA, perf_counter on CPU)
     verify_s: float  # seconds in the target's verify forward and the acceptance rule
-    other_s: float  # everything else in the round (admission, prefill, bookkeeping)
+    other_s: float  # the rest of the round's decode work (policy lookups, bookkeeping)
     target_version: str
     draft_version: str
     rows: tuple[RowRecord, ...]
     timestamp: float = 0.0  # wall-clock seconds (time.time()) at the end of the round
+    # Admitting new requests before the round (the target's prefill of their prompts). Each request is prefilled
+    # once whatever k is, so it is kept apart: cost windows and the policies see draft/verify/other only (a round
+    # that happened to admit a few prompts would otherwise make its k look dear), latency and wall_s include it.
+    prefill_s: float = 0.0
 
     @property
     def wall_s(self) -> float:
-        return self.draft_s + self.verify_s + self.other_s
+        return self.draft_s + self.verify_s + self.other_s + self.prefill_s
 
     @property
     def emitted(self) -> int:
@@ -420,6 +424,7 @@ def round_from_dict(d: Any) -> RoundRecord:
         draft_version=_name(d.get("draft_version"), "draft_version"),
         rows=tuple(rows),
         timestamp=_time(d.get("timestamp", 0.0), "timestamp"),
+        prefill_s=_time(d.get("prefill_s", 0.0), "prefill_s"),  # absent from engines that predate it
     )
 
 

@@ -112,6 +112,25 @@ def test_record_fields(pair) -> None:
             assert 1 <= row.emitted <= row.accepted + 1
 
 
+def test_prefill_is_timed_apart_from_the_round(pair, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Admission (the target's prefill of new prompts) is the same work whatever k is: it must not land in
+    # other_s, where a round that happened to admit requests would make its k look dear to the policy.
+    import time as _time
+
+    orig = SpecEngine._prefill_target
+
+    def slow(self, rows):  # type: ignore[no-untyped-def]
+        _time.sleep(0.05)
+        return orig(self, rows)
+
+    monkeypatch.setattr(SpecEngine, "_prefill_target", slow)
+    _, recs = _run(pair, lambda t, b, c: 2, max_batch=2, n_new=24)
+    admitting = [r for r in recs if r.prefill_s >= 0.05]
+    assert admitting and len(admitting) <= len(PROMPTS)  # one admission per prompt at most
+    assert all(r.other_s < 0.05 for r in recs)
+    assert all(r.wall_s == pytest.approx(r.draft_s + r.verify_s + r.other_s + r.prefill_s) for r in recs)
+
+
 @torch.no_grad()
 def _target_first_token_probs(target: Transformer, prompt: bytes) -> torch.Tensor:
     toks = torch.tensor([[BOS_ID, *prompt]])

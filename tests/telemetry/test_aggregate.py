@@ -76,3 +76,21 @@ def test_aggregates_pass_wire_validation() -> None:
     assert back == batch
     assert sum(a.rows for a in agg.acceptance) == sum(c.batch_rows for c in agg.cost)
     assert sum(c.rounds for c in agg.cost) == 500
+
+
+def test_prefill_counts_for_latency_but_not_for_the_cost_of_k(make_round) -> None:
+    from dataclasses import asdict, replace
+
+    from telemetry.records import round_from_dict
+
+    plain = make_round([("code", 10, 2, 1)], draft_s=0.002, verify_s=0.01, other_s=0.0005)
+    admitting = replace(plain, prefill_s=0.05)
+    (c,) = aggregate([admitting]).cost
+    assert c.other_s.total == pytest.approx(0.0005) and c.draft_s.total + c.verify_s.total == pytest.approx(0.012)
+    assert c.latency_p50 == pytest.approx(admitting.wall_s / 2) and admitting.wall_s == pytest.approx(0.0625)
+    assert aggregate([replace(plain, prefill_s=-1.0)]).rejected == {"negative_time": 1}
+    # On the wire: sampled rounds carry it; rounds from engines that predate it read as 0.
+    batch = WindowBatch("e", 0, 0.0, 1.0, (), (), (admitting,))
+    assert decode_window_batch(encode_window_batch(batch)).sampled_rounds[0].prefill_s == pytest.approx(0.05)
+    d = {k: v for k, v in asdict(plain).items() if k != "prefill_s"}
+    assert round_from_dict(d).prefill_s == 0.0
