@@ -172,10 +172,11 @@ def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: P
     m = eng.models
     tag = "" if decide is None else "-" + "-".join("".join(c if c.isalnum() else " " for c in name).split())
     prefix = f"spectune-demo-{run_dir.name}{tag}"
-    shadow = run_dir / f"shadow{tag}.sqlite"
-    db_url = cfg.db_url if decide is None else None
-    store = Store(db_url or f"sqlite:///{(shadow if decide is not None else run_dir / 'spectune.sqlite').resolve()}",
-                  auto_upgrade=True)
+    if decide is None:
+        url = cfg.db_url or f"sqlite:///{(run_dir / 'spectune.sqlite').resolve()}"
+    else:
+        url = f"sqlite:///{(run_dir / f'shadow{tag}.sqlite').resolve()}"
+    store = Store(url, auto_upgrade=True)
     transport: Transport
     engine_transport: Transport
     publisher: Publisher
