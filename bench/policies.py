@@ -524,9 +524,9 @@ def median_of_repeats(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     """
     med = statistics.median_low  # an actual repeat's value, not the mean of two
     names = list(repeats[0]["policies"])
-    for r in repeats:
-        r["goodput_over"] = goodput_over(r)
-        r["oracle_over_static"] = r["oracle_tok_s"] / r["policies"]["static"]["tok_s"]
+    per_rep = [{"oracle_tok_s": r["oracle_tok_s"], "goodput_over": goodput_over(r),
+                "oracle_over_static": r["oracle_tok_s"] / r["policies"]["static"]["tok_s"],
+                "ratio_to_oracle": {n: r["policies"][n]["ratio_to_oracle"] for n in names}} for r in repeats]
     policies: dict[str, Any] = {}
     for name in names:
         runs = sorted(repeats, key=lambda r: r["policies"][name]["ratio_to_oracle"])
@@ -535,11 +535,9 @@ def median_of_repeats(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "oracle_tok_s": med(r["oracle_tok_s"] for r in repeats), "rounds": repeats[0]["rounds"],
         "policies": policies,
-        "goodput_over": {o: med(r["goodput_over"][o] for r in repeats) for o in repeats[0]["goodput_over"]},
-        "oracle_over_static": med(r["oracle_over_static"] for r in repeats),
-        "repeats": [{"oracle_tok_s": r["oracle_tok_s"], "goodput_over": r["goodput_over"],
-                     "oracle_over_static": r["oracle_over_static"],
-                     "ratio_to_oracle": {n: r["policies"][n]["ratio_to_oracle"] for n in names}} for r in repeats],
+        "goodput_over": {o: med(r["goodput_over"][o] for r in per_rep) for o in per_rep[0]["goodput_over"]},
+        "oracle_over_static": med(r["oracle_over_static"] for r in per_rep),
+        "repeats": per_rep,
     }
 
 

@@ -16,7 +16,9 @@ on the aggregated cost windows, relative errors: scikit-learn's ``LinearRegressi
                                                      a multi-token verify takes other kernels than a
                                                      one-token step (bench/results/engine.json, batch 64, long
                                                      context: 2 positions cost 1.29x one, 3 cost 1.44x);
-- other  = o0 + o1 B + o2 B k                        admission and bookkeeping.
+- other  = o0 + o1 B + o2 B k                        set-up and bookkeeping (admitting new requests is
+                                                     timed apart, ``RoundRecord.prefill_s``: it is the same
+                                                     work whatever k is).
 
 B is the mean batch of the cell, C the context bucket's representative length. Non-negative coefficients keep
 every extrapolation monotone in B, C and k. What batches 1 and 4 cannot tell apart (a fixed cost or one per
@@ -104,9 +106,13 @@ class CostModel:
         if new_key or self._since_fit >= min(self.refit_every, max(1, self._n_seen // 4)):
             self.refit()
 
-    def ks_seen(self, batch_bucket: int, ctx: str) -> set[int]:
+    def _cell(self, batch_bucket: int, ctx: str) -> dict[int, list[float]]:
+        """k -> aggregate of one cell."""
         pre = f"{batch_bucket}|{ctx}|"
-        return {int(key[len(pre):]) for key in self._agg if key.startswith(pre)}
+        return {int(key[len(pre):]): v for key, v in self._agg.items() if key.startswith(pre)}
+
+    def ks_seen(self, batch_bucket: int, ctx: str) -> set[int]:
+        return set(self._cell(batch_bucket, ctx))
 
     def _cells_with_slope(self) -> list[tuple[int, str]]:
         """(batch bucket, context bucket) of every cell measured at two or more k."""
@@ -135,9 +141,9 @@ class CostModel:
             context_len_of(kc) for _, kc in known)
 
     def mean_batch(self, batch_bucket: int, ctx: str) -> float:
-        pre = f"{batch_bucket}|{ctx}|"
-        r = sum(v[0] for key, v in self._agg.items() if key.startswith(pre))
-        b = sum(v[1] for key, v in self._agg.items() if key.startswith(pre))
+        cell = self._cell(batch_bucket, ctx).values()
+        r = sum(v[0] for v in cell)
+        b = sum(v[1] for v in cell)
         return b / r if r > 0 else float(batch_bucket)
 
     def refit(self) -> None:
@@ -189,9 +195,7 @@ class CostModel:
         c = float(context_len_of(ctx))
         y = self._model(max(b, 1.0), c, ks)
         # The cell's own measurements: a scale on the shared shape, and the measured k themselves.
-        pre = f"{batch_bucket}|{ctx}|"
-        obs = {int(key[len(pre):]): v for key, v in self._agg.items() if key.startswith(pre)}
-        obs = {kk: v for kk, v in obs.items() if kk <= self.k_max and v[0] > 0}
+        obs = {kk: v for kk, v in self._cell(batch_bucket, ctx).items() if kk <= self.k_max and v[0] > 0}
         if obs:
             # Weights count windows, not rounds: what makes a measurement wrong is the machine's speed drifting
             # between windows (another tenant, clocks), which a window's hundreds of rounds do not average out.
