@@ -18,7 +18,8 @@ from redis.exceptions import RedisError
 from controller.client import policy_key, updates_channel
 from telemetry.errors import TransportError
 from telemetry.records import PolicyTable, RecordError, policy_table_from_json
-from telemetry.transport import DEFAULT_PREFIX, _hide_password
+from telemetry.transport import DEFAULT_PREFIX
+from telemetry.urls import redact_url
 
 # KEYS[1] = table key, KEYS[2] = channel; ARGV[1] = table JSON, ARGV[2] = its version.
 # Returns 1 when written and published, 0 when the stored version is already >= ARGV[2].
@@ -92,7 +93,7 @@ class RedisPublisher(Publisher):
     """Writes ``{prefix}:policy`` and PUBLISHes on ``{prefix}:policy-updates``, atomically, version-monotonic."""
 
     def __init__(self, url: str, prefix: str = DEFAULT_PREFIX) -> None:
-        self._shown = _hide_password(url)
+        self._shown = redact_url(url)
         try:
             self._r = redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
                                            socket_connect_timeout=SOCKET_TIMEOUT_S / 2)

@@ -31,6 +31,8 @@ SCHEMA_VERSION = 1  # bump when a travelling record changes shape; receivers rej
 MAX_DRAFT_LEN = 16  # verify cost grows with k + 1; no useful policy drafts further on any engine we know
 MAX_ENCODED_BYTES = 1 << 20  # size cap of one encoded window batch; larger payloads are rejected unread
 MAX_NAME_LEN = 64  # request types, version ids and engine ids are short labels
+WILDCARD = "*"  # a bucket key part that matches anything (pins and table entries)
+MIN_BATCH_BUCKET = 1  # a batch holds at least one row; batch buckets are upper edges, so >= 1 too
 REQUEST_TYPES = ("code", "prose", "structured")  # the reference workloads; others are allowed on the wire
 DEFAULT_BATCH_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two, as engines size CUDA graphs
 DEFAULT_CONTEXT_EDGES = (512, 2048, 8192)  # <=512, <=2k, <=8k, >8k
@@ -97,14 +99,10 @@ class Bucket:
 
     @classmethod
     def from_key(cls, key: str) -> Bucket:
-        parts = key.split("|")
-        if len(parts) != 5:
-            raise RecordError("bad_bucket_key", f"{key!r} must have 5 '|'-separated parts")
-        try:
-            bb = int(parts[3])
-        except ValueError as e:
-            raise RecordError("bad_bucket_key", f"batch bucket {parts[3]!r} is not an int") from e
-        return cls(parts[0], parts[1], parts[2], bb, parts[4])
+        """The exact bucket a key names (no ``*`` parts); see :func:`parse_bucket_key` for the rules."""
+        t, d, r, bb, c = parse_bucket_key(key, wildcard=False)
+        assert bb is not None  # wildcard=False: the batch part is always a number
+        return cls(t, d, r, bb, c)
 
 
 # ------------------------------------------------------------------------------------------ engine records
@@ -257,7 +255,10 @@ _INF = math.inf
 
 
 def _name(v: Any, what: str) -> str:
-    if type(v) is str and 0 < len(v) <= MAX_NAME_LEN and "|" not in v:
+    """The one rule for a label (request type, version id, engine id, context bucket, bucket key part): 1 to
+    ``MAX_NAME_LEN`` printable characters without ``|`` (no NUL or other control characters, which PostgreSQL
+    refuses in text and which no operator can read back)."""
+    if type(v) is str and 0 < len(v) <= MAX_NAME_LEN and "|" not in v and v.isprintable():
         return v
     if not isinstance(v, str):
         raise RecordError("bad_type", f"{what} must be a string, got {type(v).__name__}")
@@ -265,7 +266,60 @@ def _name(v: Any, what: str) -> str:
         raise RecordError("bad_name", f"{what} must be 1..{MAX_NAME_LEN} chars")
     if "|" in v:
         raise RecordError("bad_name", f"{what} must not contain '|'")
+    if not v.isprintable():
+        raise RecordError("bad_name", f"{what}={v!r} must be printable (no control characters)")
     return str(v)
+
+
+_ASCII_DIGITS = frozenset("0123456789")
+BUCKET_KEY_PARTS = ("target_version", "draft_version", "request_type", "batch_bucket", "context_bucket")
+
+
+def parse_bucket_key(key: Any, *, wildcard: bool = True) -> tuple[str, str, str, int | None, str]:
+    """The one parser of bucket keys (``target|draft|request type|batch bucket|context bucket``).
+
+    Every place that reads a key (tables on the wire, pins from operators, the Prometheus export) uses this, so
+    each rule exists once:
+
+    - five ``|``-separated parts, each a label under the wire rule of :func:`_name`, or ``*`` when ``wildcard``;
+    - the batch part is an integer >= ``MIN_BATCH_BUCKET`` written in canonical ASCII digits (no sign, no leading
+      zero, no spaces): ``str.isdigit`` accepts ``'²'`` and ``int`` accepts ``'٣'``, and a key that does not
+      read back as ``str(int(part))`` would never match the keys the sidecar writes.
+
+    Args:
+        key: the key as received.
+        wildcard: whether ``*`` parts are allowed (pins and table entries: yes; an exact bucket: no).
+
+    Returns:
+        The five parts, the batch bucket as an int (None for ``*``).
+
+    Raises:
+        RecordError: ``bad_bucket_key``, naming the part and the rule it broke.
+    """
+    if not isinstance(key, str):
+        raise RecordError("bad_bucket_key", f"a bucket key must be a string, got {type(key).__name__}")
+    parts = key.split("|")
+    if len(parts) != len(BUCKET_KEY_PARTS):
+        raise RecordError("bad_bucket_key", f"{key[:400]!r} must have 5 '|'-separated parts "
+                                            "(target|draft|request type|batch bucket|context bucket)")
+    for part, what in zip(parts, BUCKET_KEY_PARTS, strict=True):
+        if part == WILDCARD:
+            if not wildcard:
+                raise RecordError("bad_bucket_key", f"{what} of {key!r} must be exact here, not '{WILDCARD}'")
+            continue
+        try:
+            _name(part, what)
+        except RecordError as e:
+            raise RecordError("bad_bucket_key", f"in bucket key {key!r}: {e.detail}") from None
+    raw = parts[3]
+    batch: int | None = None
+    if raw != WILDCARD:
+        if not _ASCII_DIGITS.issuperset(raw) or raw[0] == "0" or int(raw) < MIN_BATCH_BUCKET:
+            raise RecordError("bad_bucket_key", f"batch bucket {raw!r} of {key!r} must be an integer >= "
+                                                f"{MIN_BATCH_BUCKET} in ASCII digits without a leading zero"
+                                                + (f", or '{WILDCARD}'" if wildcard else ""))
+        batch = int(raw)
+    return parts[0], parts[1], parts[2], batch, parts[4]
 
 
 def _int(v: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
@@ -279,7 +333,7 @@ def _int(v: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
 
 
 def _time(v: Any, what: str) -> float:
-    if type(v) is float and 0.0 <= v < _INF:  # NaN fails both comparisons
+    if type(v) is float and 0.0 < v < _INF:  # NaN fails both comparisons; 0.0 takes the checks below (-0.0)
         return v
     if not isinstance(v, int | float) or isinstance(v, bool):
         raise RecordError("bad_type", f"{what} must be a number")
@@ -289,7 +343,7 @@ def _time(v: Any, what: str) -> float:
         raise RecordError("out_of_range", f"{what} does not fit a float") from None
     if not finite:
         raise RecordError("non_finite", f"{what} is not finite")
-    if v < 0:
+    if v < 0 or math.copysign(1.0, v) < 0:  # -0.0 == 0 but is no clock reading: a forged or broken sender
         raise RecordError("negative_time", f"{what}={v} is negative")
     return float(v)
 
@@ -300,9 +354,9 @@ def _stat(d: Any, what: str) -> Stat:
     c, t, q, m = d.get("count"), d.get("total"), d.get("sumsq"), d.get("max")
     if not (
         type(c) is int and c >= 0
-        and type(t) is float and 0.0 <= t < _INF
-        and type(q) is float and 0.0 <= q < _INF
-        and type(m) is float and 0.0 <= m < _INF
+        and type(t) is float and 0.0 < t < _INF
+        and type(q) is float and 0.0 < q < _INF
+        and type(m) is float and 0.0 < m < _INF
     ):
         c = _int(c, f"{what}.count")
         t, q, m = _time(t, f"{what}.total"), _time(q, f"{what}.sumsq"), _time(m, f"{what}.max")
@@ -378,7 +432,7 @@ def cost_from_dict(d: Any) -> CostWindow:
     return CostWindow(
         target_version=_name(g("target_version"), "target_version"),
         draft_version=_name(g("draft_version"), "draft_version"),
-        batch_bucket=_int(g("batch_bucket"), "batch_bucket", 1),
+        batch_bucket=_int(g("batch_bucket"), "batch_bucket", MIN_BATCH_BUCKET),
         context_bucket=_name(g("context_bucket"), "context_bucket"),
         max_k=max_k, rounds=rounds, tokens_verified=tv,
         emitted=_int(g("emitted"), "emitted"),
@@ -456,7 +510,7 @@ def window_batch_from_dict(d: Any) -> WindowBatch:
     if not isinstance(d, dict):
         raise RecordError("bad_type", "window batch must be an object")
     sv = d.get("schema_version")
-    if sv != SCHEMA_VERSION:
+    if type(sv) is not int or sv != SCHEMA_VERSION:  # True == 1 and 1.0 == 1 in Python; neither is a version
         raise RecordError("unknown_schema_version", f"schema_version={sv!r}, this build reads {SCHEMA_VERSION}")
     acc = d.get("acceptance", [])
     cost = d.get("cost", [])
@@ -514,7 +568,15 @@ def _reject_constant(name: str) -> Any:
 
 # ------------------------------------------------------------------------------------------ policy table
 POLICY_SCHEMA_VERSION = 1
-WILDCARD = "*"
+# Size caps of a policy table, checked by the sidecar before it stores and publishes one and by every client
+# before it parses one. The sidecar's own tables stay far below (SidecarConfig.max_table_buckets, 4096 by
+# default, plus a few pins); a table past them is a forgery or a runaway pin script. A client holds a table as a
+# dict plus a lookup cache, about 7x its JSON (a 28.9 MB table cost a client about 190 MB), so 4 MiB bounds what
+# any table can cost an engine to some 30 MB.
+MAX_TABLE_ENTRIES = 16_384
+MAX_TABLE_BYTES = 4 << 20
+# Versions are stored as a 64-bit integer (policy_versions.version is BIGINT); larger ones cannot be stored.
+MAX_POLICY_VERSION = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -559,8 +621,30 @@ def fallback_keys(b: Bucket) -> list[str]:
     ]
 
 
+def check_table_size(table: PolicyTable) -> None:
+    """The sidecar's side of the table size cap: refuse to store or publish a table a client would refuse.
+
+    Raises:
+        RecordError: ``table_too_large`` with the entry count or encoded size and the cap.
+    """
+    if len(table.entries) > MAX_TABLE_ENTRIES:
+        raise RecordError("table_too_large", f"table v{table.version} has {len(table.entries)} entries > cap "
+                                             f"{MAX_TABLE_ENTRIES}; remove pins or lower max_table_buckets")
+    n = len(table.to_json().encode())
+    if n > MAX_TABLE_BYTES:
+        raise RecordError("table_too_large", f"table v{table.version} encodes to {n} bytes > cap {MAX_TABLE_BYTES}; "
+                                             "remove pins or lower max_table_buckets")
+
+
 def policy_table_from_json(text: str | bytes) -> PolicyTable:
-    """Parse and validate a policy table. Raises :class:`RecordError` with a countable ``reason``."""
+    """Parse and validate a policy table. Raises :class:`RecordError` with a countable ``reason``.
+
+    The size caps are checked first: bytes before anything is parsed, entries before any is validated.
+    """
+    if not isinstance(text, str | bytes | bytearray):
+        raise RecordError("bad_type", f"policy table must be str or bytes, got {type(text).__name__}")
+    if len(text) > MAX_TABLE_BYTES:  # chars <= bytes: a str over the cap is over it encoded too
+        raise RecordError("table_too_large", f"policy table of {len(text)} bytes > cap {MAX_TABLE_BYTES}")
     try:
         d = json.loads(text, parse_constant=_reject_constant)
     except RecordError:  # NaN / Infinity, from _reject_constant (a RecordError is a ValueError too)
@@ -569,26 +653,25 @@ def policy_table_from_json(text: str | bytes) -> PolicyTable:
         raise RecordError("undecodable", f"policy table is not JSON: {e}") from e
     if not isinstance(d, dict):
         raise RecordError("bad_type", "policy table must be an object")
-    if d.get("schema_version") != POLICY_SCHEMA_VERSION:
+    sv = d.get("schema_version")
+    if type(sv) is not int or sv != POLICY_SCHEMA_VERSION:  # True and 1.0 equal 1 but are not a version
         raise RecordError("unknown_schema_version",
-                          f"policy schema_version={d.get('schema_version')!r}, expected {POLICY_SCHEMA_VERSION}")
+                          f"policy schema_version={sv!r}, expected {POLICY_SCHEMA_VERSION}")
     k_max = _int(d.get("k_max"), "k_max", 0, MAX_DRAFT_LEN)
     entries_raw = d.get("entries")
     if not isinstance(entries_raw, dict):
         raise RecordError("bad_type", "entries must be an object")
+    if len(entries_raw) > MAX_TABLE_ENTRIES:
+        raise RecordError("table_too_large", f"policy table has {len(entries_raw)} entries > cap {MAX_TABLE_ENTRIES}")
     entries = {}
     for key, k in entries_raw.items():
-        parts = key.split("|")
-        if len(parts) != 5:  # checked first: a key with fewer than 4 parts has no batch part to look at
-            raise RecordError("bad_bucket_key", f"{key!r} must have 5 parts")
-        if WILDCARD not in parts[3]:
-            Bucket.from_key(key)
+        parse_bucket_key(key)
         entries[key] = k if type(k) is int and 0 <= k <= k_max else _int(k, f"entries[{key!r}]", 0, k_max)
     reason = d.get("reason", "")
     if not isinstance(reason, str):
         raise RecordError("bad_type", "reason must be a string")
     return PolicyTable(
-        version=_int(d.get("version"), "version"),
+        version=_int(d.get("version"), "version", 0, MAX_POLICY_VERSION),
         default_k=_int(d.get("default_k"), "default_k", 0, k_max),
         k_max=k_max,
         entries=entries,

@@ -36,13 +36,13 @@ from telemetry.errors import MigrationDriftError, SchemaOutOfDateError, StoreErr
 from telemetry.records import (
     MAX_DRAFT_LEN,
     MAX_NAME_LEN,
-    WILDCARD,
     AcceptanceWindow,
     CostWindow,
     PolicyTable,
     RecordError,
     Stat,
     WindowBatch,
+    parse_bucket_key,
     policy_table_from_json,
 )
 from telemetry.schema import (
@@ -60,6 +60,7 @@ from telemetry.schema import (
     PolicyVersionRow,
     SampledRoundRow,
 )
+from telemetry.urls import redact_url
 
 DEFAULT_DB_URL = "sqlite:///spectune.sqlite"
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -108,10 +109,7 @@ class Pin:
 
 # ------------------------------------------------------------------------------------------ engines / urls
 def _shown(url: str) -> str:
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
-        return "<unparsable url>"
+    return redact_url(url)
 
 
 def create_db_engine(url: str) -> Engine:
@@ -565,11 +563,7 @@ class Store:
 
 
 def _check_pin(bucket_key: str, k: int, who: str) -> None:
-    parts = bucket_key.split("|") if isinstance(bucket_key, str) else []
-    if len(parts) != 5 or any(not p or len(p) > MAX_NAME_LEN for p in parts):
-        raise RecordError("bad_bucket_key", f"{bucket_key!r} must be 5 '|'-separated labels (or '{WILDCARD}')")
-    if parts[3] != WILDCARD and not parts[3].isdigit():
-        raise RecordError("bad_bucket_key", f"batch bucket {parts[3]!r} must be an int or '{WILDCARD}'")
+    parse_bucket_key(bucket_key)  # the one bucket-key parser: the same rules as tables on the wire
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_DRAFT_LEN:
         raise RecordError("out_of_range", f"pinned k={k!r} outside [0, {MAX_DRAFT_LEN}]")
     if not who or len(who) > MAX_NAME_LEN:

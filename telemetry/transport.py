@@ -19,7 +19,6 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 import msgpack
 import redis
@@ -35,6 +34,7 @@ from telemetry.records import (
     window_batch_from_dict,
     window_batch_to_dict,
 )
+from telemetry.urls import redact_url
 
 DEFAULT_PREFIX = "spectune"
 GROUP = "sidecar"  # the sidecars' consumer group on the windows stream
@@ -243,7 +243,7 @@ class RedisStreamsTransport(Transport):
 
     def __init__(self, url: str, config: RedisConfig | None = None) -> None:
         self.config = config or RedisConfig()
-        self._url_shown = _hide_password(url)
+        self._url_shown = redact_url(url)
         try:
             self._r = redis.Redis.from_url(
                 url,
@@ -408,15 +408,5 @@ def _entries(raw: Any) -> list[Entry]:
     return out
 
 
-def _hide_password(url: str) -> str:
-    """The URL with any password replaced by ``***`` (error messages must never echo a secret)."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port else ""
-        return urlunsplit((parts.scheme, f"{user}:***@{host}{port}", parts.path, parts.query, parts.fragment))
-    except ValueError:
-        return "<redis url>"
+# The one redaction helper lives in telemetry.urls; this name stays for callers that import it from here.
+_hide_password = redact_url

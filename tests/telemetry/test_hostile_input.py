@@ -1,0 +1,158 @@
+"""Hostile input found by the fault probe (issue 14): bucket keys, wire types, table sizes, URL secrets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from telemetry.aggregate import aggregate
+from telemetry.records import (
+    MAX_TABLE_BYTES,
+    MAX_TABLE_ENTRIES,
+    POLICY_SCHEMA_VERSION,
+    Bucket,
+    PolicyTable,
+    RecordError,
+    WindowBatch,
+    check_table_size,
+    parse_bucket_key,
+    policy_table_from_json,
+    window_batch_from_dict,
+    window_batch_to_dict,
+)
+from telemetry.store import Store, upgrade
+from telemetry.synthetic import synthetic_rounds
+from telemetry.urls import redact_url
+
+
+def _valid_batch(seq: int = 1) -> WindowBatch:
+    agg = aggregate(synthetic_rounds(30, seed=seq))
+    return WindowBatch("e-ok", seq, 0.0, 0.25, agg.acceptance, agg.cost)
+
+
+# Characters str.isdigit() or int() accept that are not ASCII digits, and other near-misses of a batch bucket.
+BAD_BATCH_PARTS = ["²", "٣", "８", " 4", "4 ", "+4", "-4", "04", "0", "4_0", "", "1e3"]
+
+
+@pytest.mark.parametrize("part", BAD_BATCH_PARTS)
+def test_the_one_bucket_key_parser_wants_ascii_digits(part: str) -> None:
+    key = f"t|d|code|{part}|<=512"
+    for parse in (lambda: parse_bucket_key(key), lambda: Bucket.from_key(key)):
+        with pytest.raises(RecordError) as e:
+            parse()
+        assert e.value.reason == "bad_bucket_key"
+    table = {"version": 1, "default_k": 0, "k_max": 8, "entries": {key: 1}, "schema_version": POLICY_SCHEMA_VERSION}
+    with pytest.raises(RecordError) as e:
+        policy_table_from_json(json.dumps(table))
+    assert e.value.reason == "bad_bucket_key"
+
+
+@pytest.mark.parametrize("key", ["t|d|co\x00de|8|<=512", "t|d|code|8|<=512\n", "t|d|\u200bx|8|*",
+                                 "t|d|" + "x" * 65 + "|8|*", "t|d|code|8", "t|d|code|8|<=512|x", "t||code|8|*"])
+def test_labels_follow_the_wire_rule(key: str) -> None:
+    with pytest.raises(RecordError) as e:
+        parse_bucket_key(key)
+    assert e.value.reason == "bad_bucket_key"
+
+
+def test_wildcards_only_where_allowed() -> None:
+    assert parse_bucket_key("*|*|*|*|*") == ("*", "*", "*", None, "*")
+    assert parse_bucket_key("t|d|code|16|<=512", wildcard=False) == ("t", "d", "code", 16, "<=512")
+    with pytest.raises(RecordError):
+        parse_bucket_key("t|d|code|*|<=512", wildcard=False)
+    with pytest.raises(RecordError):
+        Bucket.from_key("t|d|*|8|<=512")  # a Bucket is one exact bucket
+
+
+@pytest.mark.parametrize("part", ["²", "٣"])
+def test_a_pin_needs_an_ascii_batch_bucket(sqlite_url: str, part: str) -> None:
+    upgrade(sqlite_url)
+    with Store(sqlite_url) as s:
+        with pytest.raises(RecordError) as e:
+            s.pin(f"*|*|*|{part}|*", 1, "x")
+        assert e.value.reason == "bad_bucket_key"
+        assert s.active_pins() == []
+
+
+@pytest.mark.parametrize("value", [True, 1.0])
+def test_schema_version_must_be_the_int_itself(value: object) -> None:
+    d = window_batch_to_dict(_valid_batch())
+    d["schema_version"] = value
+    with pytest.raises(RecordError) as e:
+        window_batch_from_dict(d)
+    assert e.value.reason == "unknown_schema_version"
+    t = json.loads(PolicyTable(version=1, default_k=0).to_json())
+    t["schema_version"] = value
+    with pytest.raises(RecordError) as e:
+        policy_table_from_json(json.dumps(t))
+    assert e.value.reason == "unknown_schema_version"
+
+
+@pytest.mark.parametrize("field", ["window_start", "window_end"])
+def test_negative_zero_is_not_a_time(field: str) -> None:
+    d = window_batch_to_dict(_valid_batch())
+    d["window_start"], d["window_end"] = 0.0, 0.0
+    d[field] = -0.0
+    with pytest.raises(RecordError) as e:
+        window_batch_from_dict(d)
+    assert e.value.reason == "negative_time"
+    d = window_batch_to_dict(_valid_batch())
+    d["cost"] = [dict(c) for c in d["cost"]]
+    d["cost"][0]["latency_p50"] = -0.0
+    with pytest.raises(RecordError):
+        window_batch_from_dict(d)
+    t = json.loads(PolicyTable(version=1, default_k=0).to_json())
+    t["created_at"] = -0.0
+    with pytest.raises(RecordError):
+        policy_table_from_json(json.dumps(t))
+    assert window_batch_from_dict(window_batch_to_dict(_valid_batch())) == _valid_batch()  # 0.0 still fine
+
+
+def test_policy_tables_have_a_size_cap() -> None:
+    many = {f"t|d|r{i}|8|*": 1 for i in range(MAX_TABLE_ENTRIES + 1)}
+    too_many = PolicyTable(version=1, default_k=0, entries=many)
+    with pytest.raises(RecordError) as e:
+        policy_table_from_json(too_many.to_json())
+    assert e.value.reason == "table_too_large"
+    with pytest.raises(RecordError) as e:
+        check_table_size(too_many)
+    assert e.value.reason == "table_too_large"
+    padded = json.loads(PolicyTable(version=1, default_k=0).to_json())
+    padded["reason"] = " " * MAX_TABLE_BYTES  # few entries, too many bytes: refused before parsing
+    with pytest.raises(RecordError) as e:
+        policy_table_from_json(json.dumps(padded))
+    assert e.value.reason == "table_too_large"
+    ok = PolicyTable(version=1, default_k=0, entries=dict(list(many.items())[:100]))
+    check_table_size(ok)
+    assert policy_table_from_json(ok.to_json()) == ok
+
+
+@pytest.mark.parametrize(
+    ("url", "secret"),
+    [
+        ("redis://127.0.0.1:6379/0?password=hunter2", "hunter2"),
+        ("redis://u:hunter2@127.0.0.1:6379/0", "hunter2"),
+        ("postgresql+psycopg://u@db:5432/test?password=hunter2&sslmode=require", "hunter2"),
+        ("postgresql+psycopg://u:hunter2@db/test?options=-csearch_path%3Dx", "hunter2"),
+        ("rediss://127.0.0.1/0?ssl_keyfile_password=hunter2", "hunter2"),
+    ],
+)
+def test_one_helper_redacts_passwords_wherever_they_are(url: str, secret: str) -> None:
+    shown = redact_url(url)
+    assert secret not in shown and "***" in shown
+    assert shown.split("://")[0] == url.split("://")[0]  # still says what it is
+
+
+def test_store_and_transport_errors_use_the_redaction(redis_url: str) -> None:
+    from telemetry.errors import StoreError, TransportError
+    from telemetry.transport import RedisStreamsTransport
+
+    bad = "redis://127.0.0.1:1/0?password=hunter2"
+    t = RedisStreamsTransport(bad)
+    with pytest.raises(TransportError) as e:
+        t.publish(b"{}")
+    assert "hunter2" not in str(e.value)
+    with pytest.raises(StoreError) as e2:
+        Store("postgresql+psycopg://u@127.0.0.1:1/x?password=hunter2&connect_timeout=1")
+    assert "hunter2" not in str(e2.value)
