@@ -185,11 +185,14 @@ class SampledRoundRow(Base):
 
 
 class PolicyVersionRow(Base):
-    """A published policy table; ``version`` is the table's own, unique and increasing."""
+    """A published policy table; ``version`` is the table's own, unique and increasing.
+
+    The sidecar's version counter comes from here (its own truth, never from Redis); 64-bit since revision 0002.
+    """
 
     __tablename__ = "policy_versions"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    version: Mapped[int] = mapped_column(Integer, unique=True)
+    version: Mapped[int] = mapped_column(BigInteger, unique=True)
     table: Mapped[dict[str, Any]] = mapped_column(JSON)
     reason: Mapped[str] = mapped_column(String(REASON_LEN))
     created_at: Mapped[float] = mapped_column(Float)
