@@ -51,6 +51,10 @@ class SidecarMetrics:
         self.policy_version = Gauge("spectune_policy_version", "Version of the policy table last published.",
                                     registry=r)
         self.policy_publishes = Counter("spectune_policy_publishes", "Policy versions published.", registry=r)
+        self.policy_version_ahead = Counter(
+            "spectune_policy_version_ahead",
+            "Tables found at the engines' key with a version ahead of the store (forged or another deployment's); "
+            "reported and replaced, never adopted.", registry=r)
         self.chosen_k = Gauge("spectune_chosen_k", "k in the published policy table, per bucket (0 = off).",
                               list(BUCKET_LABELS), registry=r)
         self.num_drafts = Counter(
@@ -107,6 +111,9 @@ class SidecarMetrics:
     def on_rejected(self, reason: str, n: int = 1) -> None:
         if n > 0:
             self.records_rejected.labels(reason).inc(n)
+
+    def on_version_ahead(self) -> None:
+        self.policy_version_ahead.inc()
 
     def on_published(self, version: int, entries: dict[str, int]) -> None:
         """A new table went out: its version, and k per exact bucket (wildcard keys are not exported)."""

@@ -35,6 +35,15 @@ redis.call('SET', KEYS[1], ARGV[1])
 redis.call('PUBLISH', KEYS[2], ARGV[2])
 return 1
 """
+# KEYS[1] = table key. Returns the stored table's version as a string, or false when absent or not a table
+# (decoded inside Redis: the sidecar checks this every tick without fetching the whole table).
+_VERSION_SCRIPT = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return false end
+local ok, t = pcall(cjson.decode, cur)
+if ok and type(t) == 'table' and tonumber(t['version']) then return string.format('%.0f', t['version']) end
+return false
+"""
 SOCKET_TIMEOUT_S = 2.0
 
 
@@ -54,6 +63,15 @@ class Publisher(ABC):
     @abstractmethod
     def current(self) -> PolicyTable | None:
         """The table engines see now (None when there is none, or it cannot be read as a table)."""
+
+    def current_version(self) -> int | None:
+        """The version of the table engines see now (None: none, or not a table); cheaper than :meth:`current`.
+
+        Raises:
+            TransportError: the publisher cannot be reached.
+        """
+        t = self.current()
+        return t.version if t is not None else None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
@@ -101,6 +119,7 @@ class RedisPublisher(Publisher):
             raise TransportError(f"bad Redis URL {self._shown}: {e}") from e
         self.key, self.channel = policy_key(prefix), updates_channel(prefix)
         self._script = self._r.register_script(_CAS_SCRIPT)
+        self._version_script = self._r.register_script(_VERSION_SCRIPT)
 
     def publish(self, table: PolicyTable, force: bool = False) -> bool:
         try:
@@ -128,6 +147,18 @@ class RedisPublisher(Publisher):
             return policy_table_from_json(raw)  # type: ignore[arg-type]
         except RecordError:
             return None  # garbage there: our next publish overwrites it
+
+    def current_version(self) -> int | None:
+        try:
+            raw = self._version_script(keys=[self.key])
+        except (RedisError, OSError) as e:
+            raise TransportError(f"reading {self.key} from Redis at {self._shown} failed: {e}") from e
+        if raw is None:
+            return None
+        try:
+            return int(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None  # not an integer (inf, nan): not a table of ours; treated as junk
 
     def close(self) -> None:
         self._r.close()

@@ -16,10 +16,18 @@ the version counter continues from the latest stored version; the policy is warm
 stored windows, so a restarted sidecar does not fall back to its priors. Several sidecars may share the
 consumer group: each learns from its share plus the replayed history, and the publisher never lets the
 engines' table go backwards in version.
+
+Versions come from the SQL store, the sidecar's own truth, never from what sits in Redis. On every decision tick
+the sidecar checks that the engines' key holds the store's newest table and re-publishes it when it is missing
+or older (Redis restarted empty, flushed, or was down when the table was made). A table there whose version is
+ahead of the store was not made by any sidecar of this store (forged, or another deployment's): it is reported
+(log line, ``spectune_policy_version_ahead_total``, ``policy_version_ahead`` in :meth:`Sidecar.health`), never
+adopted, and replaced by the store's newest table.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter as Tally
@@ -44,6 +52,7 @@ from telemetry.records import (
     PolicyTable,
     RecordError,
     WindowBatch,
+    check_table_size,
 )
 from telemetry.schema import AcceptanceWindowRow, CostWindowRow
 from telemetry.store import Pin, Store
@@ -52,6 +61,8 @@ from telemetry.transport import Transport
 REASON_MAX = 500  # PolicyTable.reason is cut here on the wire
 HISTORY_KEEP = 1000  # decisions kept in memory for the demo and the HTTP endpoint
 ERROR_BACKOFF_S = 0.5  # pause after an unexpected error, so a persistent fault is not a busy loop
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,8 @@ class Sidecar:
         self._version = 0
         self._current: PolicyTable | None = None
         self._unpublished: PolicyTable | None = None  # stored but not yet delivered (publisher was down)
+        self._publisher_ok = True  # the last attempt to reach the publisher succeeded (health)
+        self.version_ahead: dict[str, Any] | None = None  # the last table found ahead of the store (reported)
         self._since_decide = 0
         self._next_tick = 0.0
         self._consumer_rejected: dict[str, int] = {}
@@ -162,20 +175,12 @@ class Sidecar:
 
     # --------------------------------------------------------------------------------------- start-up
     def _resume(self) -> None:
-        """Continue the version counter, re-deliver the latest table, warm the policy from stored windows."""
+        """Continue the version counter from the store, re-deliver its latest table, warm the policy."""
         latest = self.store.latest_policy_version()
         if latest is not None:
             self._version, self._current = latest.version, latest
-        try:
-            there = self.publisher.current()
-        except TransportError as e:
-            self._error(e)
-            there = None
-        if there is not None and there.version > self._version:
-            self._version = there.version  # another sidecar got further; continue above it
-        if latest is not None and (there is None or there.version < latest.version):
             self._unpublished = latest  # e.g. Redis was flushed: engines get the last table back
-            self._retry_unpublished()
+        self._sync_published()
         if self.config.warm_start_windows:
             self._replay(self.config.warm_start_windows)
 
@@ -313,7 +318,7 @@ class Sidecar:
             self._decisions += 1
             self._since_decide = 0
             self._next_tick = time.monotonic() + self.config.publish_every_s
-            self._retry_unpublished()
+            self._sync_published()
             buckets = self.buckets()
             t0 = time.perf_counter()
             try:
@@ -351,6 +356,12 @@ class Sidecar:
             table = PolicyTable(version=self._version + 1, default_k=default_k, k_max=self.policy.k_max,
                                 entries=entries, created_at=time.time(), reason=reason[:REASON_MAX])
             try:
+                check_table_size(table)  # engines would refuse it: keep the last table, say why
+            except RecordError as e:
+                self._count_rejected(e.reason)
+                self._error(e)
+                return None
+            try:
                 self.store.save_policy_version(table)
                 break
             except StoreError as e:
@@ -370,23 +381,62 @@ class Sidecar:
         self.history.append(PublishedVersion(table, decisions, time.time()))
         del self.history[:-HISTORY_KEEP]
         self._unpublished = table
-        self._retry_unpublished()
+        self._sync_published()
         return table
 
-    def _retry_unpublished(self) -> None:
-        t = self._unpublished
-        if t is None:
+    def _sync_published(self) -> None:
+        """Make the engines' key hold the newest stored table this sidecar knows.
+
+        Cheap when all is well (one version read). Re-publishes when the key is missing, unreadable or older
+        (a Redis restart or flush, a publish that failed); adopts a newer version only from the store (a peer
+        sidecar of the same store made it); reports a version ahead of the store and replaces that table.
+        """
+        want = self._unpublished or self._current
+        if want is None:
             return
         try:
-            if not self.publisher.publish(t):
-                there = self.publisher.current()
-                if there is None:  # not a valid table there (junk written by hand): overwrite it
-                    self.publisher.publish(t, force=True)
-                elif there.version > self._version:
-                    self._version = there.version  # a peer sidecar is ahead: our next version goes above it
-            self._unpublished = None
+            there = self.publisher.current_version()
+            if there is None or there < want.version:
+                if self.publisher.publish(want):
+                    self._delivered()
+                    return
+                there = self.publisher.current_version()  # a peer or a forger wrote meanwhile
+            if there is not None and there == want.version:
+                self._delivered()
+                return
+            self._newer_than_mine(there)
         except TransportError as e:
+            self._publisher_ok = False
             self._error(e)
+
+    def _delivered(self) -> None:
+        self._unpublished = None
+        self._publisher_ok = True
+
+    def _newer_than_mine(self, there: int | None) -> None:
+        """The key holds a version above ours, or junk: a peer's table (in the store) is followed, anything
+        else is reported and overwritten with the store's newest table. Raises TransportError."""
+        try:
+            latest = self.store.latest_policy_version()
+        except (SQLAlchemyError, StoreError) as e:  # cannot tell a peer from a forger now; retry next tick
+            self._error(e)
+            return
+        self._publisher_ok = True
+        if latest is not None and latest.version > self._version:
+            self._version, self._current = latest.version, latest  # a peer sidecar of this store got further
+        if there is not None and latest is not None and there <= latest.version:
+            self._unpublished = latest if there < latest.version else None
+            return
+        if there is not None:
+            store_v = latest.version if latest is not None else 0
+            self.version_ahead = {"version": there, "store_version": store_v, "at": time.time()}
+            self.metrics.on_version_ahead()
+            log.warning("policy table v%d at the engines' key is ahead of the store (v%d): not made by a sidecar "
+                        "of this store (forged, or another deployment's); not adopted, replaced by v%d", there,
+                        store_v, store_v)
+        if latest is not None:
+            self.publisher.publish(latest, force=True)
+            self._unpublished = None
 
     def publish_now(self, trigger: str) -> PolicyTable | None:
         """Decide and publish at once (after a pin change); returns the new table or None if unchanged."""
@@ -408,20 +458,26 @@ class Sidecar:
     def health(self) -> dict[str, Any]:
         """A JSON-safe summary for ``GET /health`` and the CLI."""
         cs = self._consumer.stats()
+        # "degraded" while a dependency's latest attempt failed; the failure counts below stay cumulative.
+        healthy = cs.transport_ok and cs.store_ok and self._publisher_ok
         return {
-            "status": "ok" if cs.transport_failures == 0 and cs.store_failures == 0 else "degraded",
+            "status": "ok" if healthy else "degraded",
             "policy": self.policy.name,
             "policy_version": self._version,
             "windows_ingested": self.windows_ingested,
             "windows_observed": self.windows_observed,
             "duplicates_skipped": cs.duplicates,
             "claimed_from_dead_consumers": cs.claimed,
+            "reclaimed_own": cs.reclaimed,
+            "store_refused": cs.refused,
             "rejected": dict(self.rejected),
             "transport_failures": cs.transport_failures,
             "store_failures": cs.store_failures,
             "errors": self.errors,
             "last_error": self.last_error or cs.last_error,
             "unpublished_version": self._unpublished.version if self._unpublished else None,
+            "publisher_ok": self._publisher_ok,
+            "policy_version_ahead": dict(self.version_ahead) if self.version_ahead else None,
             "uptime_s": round(time.time() - self.started_at, 3),
         }
 

@@ -25,6 +25,7 @@ from telemetry.store import Store
 from telemetry.transport import Entry, Transport, decode_payload
 
 STORE_REJECTED = "store_rejected"  # dead-letter reason: valid on the wire, but the database refused it
+MAX_INFLIGHT_TRACKED = 100_000  # own unacknowledged ids remembered (a few reads' worth; oldest forgotten first)
 
 
 def default_consumer_name() -> str:
@@ -57,13 +58,17 @@ class ConsumerStats:
     """What the consumer did so far (a snapshot)."""
 
     received: int  # entries read or claimed
-    claimed: int  # of which taken over from a stale consumer
+    claimed: int  # of which taken over from another consumer presumed dead
     stored: int  # batches new to the store
     duplicates: int  # valid batches the store already held (redeliveries)
     rejected: dict[str, int]  # dead-lettered entries by reason
     transport_failures: int
     store_failures: int
     last_error: str | None
+    reclaimed: int = 0  # entries claimed back from this consumer itself (left pending by a failure)
+    refused: int = 0  # valid batches the database refused (dead-lettered as store_rejected); not duplicates
+    transport_ok: bool = True  # the latest transport call succeeded (failures above are cumulative)
+    store_ok: bool = True  # the latest store call succeeded
 
 
 class Consumer:
@@ -82,6 +87,11 @@ class Consumer:
         self._next_claim = 0.0
         self._received = self._claimed = self._stored = self._duplicates = 0
         self._transport_failures = self._store_failures = 0
+        self._transport_ok = self._store_ok = True
+        self._reclaimed = self._refused = 0
+        # Ids delivered to this consumer and not yet acknowledged or dead-lettered (insertion-ordered set): a
+        # claim that returns one of these is a re-claim of our own, not a take-over from a dead consumer.
+        self._inflight: dict[str, None] = {}
         self._rejected: dict[str, int] = {}
         self._last_error: str | None = None
 
@@ -103,10 +113,17 @@ class Consumer:
             if now >= self._next_claim:
                 self._next_claim = now + cfg.claim_interval_s
                 stale = self._t.claim_stale(cfg.consumer, cfg.claim_min_idle_ms, cfg.count)
-                self._claimed += len(stale)
+                own = sum(1 for eid, _ in stale if eid in self._inflight)
+                self._reclaimed += own  # our own entries, left pending by a store or transport failure
+                self._claimed += len(stale) - own  # entries another consumer (presumed dead) left pending
                 entries.extend(stale)
             if len(entries) < cfg.count:
                 entries.extend(self._t.read(cfg.consumer, cfg.count - len(entries), cfg.block_ms))
+            for eid, _ in entries:
+                self._inflight[eid] = None
+            while len(self._inflight) > MAX_INFLIGHT_TRACKED:  # entries trimmed while pending never settle
+                del self._inflight[next(iter(self._inflight))]
+            self._transport_ok = True
         except TransportError as e:
             self._transport_failure(e)
         if not entries:
@@ -123,26 +140,34 @@ class Consumer:
         return self._store_and_ack(valid, {eid: p for eid, p in entries})
 
     def _store_and_ack(self, valid: list[tuple[str, WindowBatch]], payloads: dict[str, bytes]) -> list[WindowBatch]:
+        refused = 0
         try:
             fresh = self._store.ingest_new([b for _, b in valid])
         except (IntegrityError, DataError):
             # One poisonous batch must not block the others: store them one by one, dead-letter the refused.
-            fresh = []
+            fresh, done = [], []
             for eid, b in valid:
                 try:
                     fresh.extend(self._store.ingest_new([b]))
+                    done.append((eid, b))
                 except (IntegrityError, DataError):
+                    refused += 1  # dead-lettered (and acknowledged) with its reason; not a duplicate
                     self._reject(eid, payloads[eid], STORE_REJECTED)
-                except (SQLAlchemyError, StoreError) as e:
+                except (SQLAlchemyError, StoreError) as e:  # the rest stays pending and is claimed again
                     self._store_failure(e)
-                    return fresh
+                    break
+            valid = done
         except (SQLAlchemyError, StoreError) as e:
             self._store_failure(e)
             return []
+        else:
+            self._store_ok = True
         self._stored += len(fresh)
-        self._duplicates += len(valid) - len(fresh)
+        self._refused += refused
+        self._duplicates += len(valid) - len(fresh)  # stored, or already held: the refused are not in valid
         try:
             self._t.ack([eid for eid, _ in valid])
+            self._settled([eid for eid, _ in valid])
         except TransportError as e:  # stored but not acked: redelivery will find them already stored
             self._transport_failure(e)
         return fresh
@@ -151,15 +176,22 @@ class Consumer:
         self._rejected[reason] = self._rejected.get(reason, 0) + 1
         try:
             self._t.deadletter(eid, payload, reason)
+            self._settled([eid])
         except TransportError as e:  # stays pending; it is rejected again when claimed
             self._transport_failure(e)
 
+    def _settled(self, ids: list[str]) -> None:
+        for eid in ids:
+            self._inflight.pop(eid, None)
+
     def _transport_failure(self, e: Exception) -> None:
+        self._transport_ok = False
         self._transport_failures += 1
         self._last_error = str(e)
         time.sleep(self._cfg.backoff_s)
 
     def _store_failure(self, e: Exception) -> None:
+        self._store_ok = False
         self._store_failures += 1
         self._last_error = f"store: {e}"
         time.sleep(self._cfg.backoff_s)
@@ -174,4 +206,6 @@ class Consumer:
             received=self._received, claimed=self._claimed, stored=self._stored, duplicates=self._duplicates,
             rejected=dict(self._rejected), transport_failures=self._transport_failures,
             store_failures=self._store_failures, last_error=self._last_error,
+            reclaimed=self._reclaimed, refused=self._refused,
+            transport_ok=self._transport_ok, store_ok=self._store_ok,
         )

@@ -340,12 +340,21 @@ class RedisStreamsTransport(Transport):
         out: list[Entry] = []
         start = "0-0"
         while len(out) < count:
-            resp = self._call(
-                "XAUTOCLAIM",
-                lambda s=start: self._r.xautoclaim(
-                    self.stream, GROUP, consumer, min_idle_time=min_idle_ms, start_id=s, count=count - len(out)
-                ),
-            )
+
+            def run(s: str = start) -> Any:
+                try:
+                    return self._r.xautoclaim(
+                        self.stream, GROUP, consumer, min_idle_time=min_idle_ms, start_id=s, count=count - len(out)
+                    )
+                except ResponseError as e:
+                    if "NOGROUP" not in str(e):
+                        raise
+                    self._group_ready = False  # Redis restarted empty: recreate the group, nothing to claim
+                    return None
+
+            resp = self._call("XAUTOCLAIM", run)
+            if resp is None:
+                break
             nxt, entries = resp[0], resp[1]
             out.extend(_entries(entries))
             start = nxt.decode() if isinstance(nxt, bytes) else str(nxt)
