@@ -31,6 +31,8 @@ from telemetry.records import (
     DEFAULT_BUCKETS,
     MAX_DRAFT_LEN,
     MAX_NAME_LEN,
+    MAX_TABLE_BYTES,
+    MAX_TABLE_ENTRIES,
     Bucket,
     BucketConfig,
     PolicyTable,
@@ -103,9 +105,12 @@ def validate_table(table: PolicyTable, k_max: int, current: int | None) -> None:
     """Refuse a table this engine must not run.
 
     Raises:
-        RecordError: ``k_above_engine_max`` when it asks for more than ``k_max``; ``stale_version`` when its
-            version is older than ``current``.
+        RecordError: ``table_too_large`` past ``MAX_TABLE_ENTRIES``; ``k_above_engine_max`` when it asks for
+            more than ``k_max``; ``stale_version`` when its version is older than ``current``.
     """
+    if len(table.entries) > MAX_TABLE_ENTRIES:  # the JSON path checks bytes too, before parsing
+        raise RecordError("table_too_large",
+                          f"table v{table.version} has {len(table.entries)} entries > cap {MAX_TABLE_ENTRIES}")
     worst = max([table.default_k, *table.entries.values()])
     if worst > k_max:
         raise RecordError("k_above_engine_max", f"table v{table.version} asks for k={worst} > engine k_max={k_max}")
@@ -137,6 +142,7 @@ class PolicyClient:
         self._last_update: float | None = None
         self._connected = False
         self._last_raw: bytes | None = None  # the value of {prefix}:policy last processed
+        self._oversize_len: int | None = None  # length of the oversized value last refused unread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._redis: redis.Redis | None = None
@@ -236,8 +242,18 @@ class PolicyClient:
         """Read ``{prefix}:policy`` once and apply it. Returns False when Redis could not be read."""
         if self._redis is None:
             return False
+        key = policy_key(self._cfg.prefix)
         try:
-            raw = self._redis.get(policy_key(self._cfg.prefix))
+            size = int(self._redis.strlen(key))  # type: ignore[arg-type]
+            if size > MAX_TABLE_BYTES:  # refused unread: fetching it is the cost the cap exists to avoid
+                self._connected = True
+                if size != self._oversize_len:  # count it once, not once per refresh
+                    self._oversize_len = size
+                    with self._lock:
+                        self._reject("table_too_large", f"policy table of {size} bytes > cap {MAX_TABLE_BYTES}")
+                return True
+            self._oversize_len = None
+            raw = self._redis.get(key)
         except (RedisError, OSError) as e:
             self._connected = False
             self._last_error = f"Redis unreachable: {e}"

@@ -1,0 +1,31 @@
+"""The client's side of the policy-table size cap (issue 14 item 5), against real Redis."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from controller.client import ClientConfig, PolicyClient, policy_key
+from telemetry.records import MAX_TABLE_BYTES, MAX_TABLE_ENTRIES, PolicyTable
+
+
+def test_an_oversized_table_is_refused_unread_and_the_last_good_one_stays(redis_url: str, redis_prefix: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    key = policy_key(redis_prefix)
+    good = PolicyTable(version=1, default_k=2, k_max=8, entries={"*|*|code|*|*": 3})
+    r.set(key, good.to_json())
+    c = PolicyClient(ClientConfig("t", "d", redis_url=redis_url, prefix=redis_prefix), start=False)
+    assert c.refresh() and c.version == 1
+    huge = PolicyTable(version=2, default_k=1, k_max=8, reason="x" * (MAX_TABLE_BYTES + 1))
+    r.set(key, huge.to_json())
+    for _ in range(3):
+        assert c.refresh()
+    st = c.status()
+    assert c.version == 1 and st.rejected == {"table_too_large": 1} and st.connected
+    wide = PolicyTable(version=3, default_k=1, k_max=8,
+                       entries={f"t|d|r{i}|8|*": 1 for i in range(MAX_TABLE_ENTRIES + 1)})
+    assert not c.apply(wide)  # in-process tables meet the same cap
+    r.set(key, PolicyTable(version=4, default_k=1, k_max=8, created_at=time.time()).to_json())
+    assert c.refresh() and c.version == 4
+    c.close()
