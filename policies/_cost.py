@@ -2,9 +2,9 @@
 
 Why this form: what a policy needs from the cost model is the *shape* of round seconds across k in a cell it
 has seen at one k only (or not at all) — and the shape changes with the batch: at batch 1 verifying k + 1 tokens
-costs little more than one, at high batch it grows with every token. A model linear in log batch (the first
-version of this file) extrapolated a batch of 64 from batches 1 and 4 to plain rounds 2.7x too cheap, and the
-policy switched speculation off where it wins 1.25x (measured on the reference engine).
+costs little more than one, at high batch it grows with every token. A model linear in log batch extrapolates
+a batch of 64 from batches 1 and 4 to plain rounds 2.7x too cheap, and a policy planning with it switches
+speculation off where it wins 1.25x (measured on the reference engine).
 
 So each part of a round is a non-negative combination of the work it does (fitted by non-negative least squares
 on the aggregated cost windows, relative errors: scikit-learn's ``LinearRegression(positive=True)``):
@@ -37,6 +37,7 @@ Model versions are not a feature: a new target of the same architecture keeps th
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,37 @@ PRIOR_DRAFT_PER_K = 0.1  # before any fit: one draft step costs 10% of a verify 
 PARTS = ("draft", "verify", "other")
 MIN_OWN_SLOPE_SPAN = 3  # two ks closer than this give a cell's own slope from noise, not from cost
 ROUNDS_PER_FULL_WINDOW = 10.0  # a window of r rounds counts r / (r + 10) windows of evidence
+
+CostCell = tuple[int, str]  # (batch-size bucket, context bucket): what a round's cost is learnt per
+
+
+@dataclass(slots=True)
+class CostAggregate:
+    """Decayed sums over the cost windows of one (cell, k)."""
+
+    rounds: float = 0.0
+    batch_rows: float = 0.0  # rows summed over rounds: batch_rows / rounds is the cell's mean batch
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    other_s: float = 0.0
+    windows: float = 0.0  # evidence in windows, each weighted r / (r + ROUNDS_PER_FULL_WINDOW)
+
+    def add(self, decay: float, rounds: float, batch_rows: float, draft_s: float, verify_s: float,
+            other_s: float, windows: float) -> None:
+        """Decay the sums by ``decay`` and add one window's."""
+        self.rounds = self.rounds * decay + rounds
+        self.batch_rows = self.batch_rows * decay + batch_rows
+        self.draft_s = self.draft_s * decay + draft_s
+        self.verify_s = self.verify_s * decay + verify_s
+        self.other_s = self.other_s * decay + other_s
+        self.windows = self.windows * decay + windows
+
+    def per_round(self) -> np.ndarray:
+        """``[3]`` mean (draft, verify, other) seconds per round."""
+        return np.array([self.draft_s, self.verify_s, self.other_s]) / self.rounds
+
+
+AGGREGATE_FIELDS = tuple(f.name for f in fields(CostAggregate))
 
 
 def _features(b: np.ndarray, c: np.ndarray, k: np.ndarray) -> list[np.ndarray]:
@@ -85,20 +117,17 @@ class CostModel:
             raise ValueError("prior_windows, explore_spread must be >= 0, refit_every >= 1 and decay in (0, 1]")
         self.k_max, self.prior_windows, self.refit_every, self.decay = k_max, prior_windows, refit_every, decay
         self.explore_spread = explore_spread
-        # "bb|ctx|k" -> [rounds, batch_rows, draft, verify, other, window weight] (decayed sums)
-        self._agg: dict[str, list[float]] = {}
+        self._agg: dict[CostCell, dict[int, CostAggregate]] = {}  # cell -> k -> decayed sums
         self._since_fit = 0
         self._n_seen = 0
-        self._fit: dict[str, Any] | None = None  # {"coef": [[draft], [verify], [other]]}
+        self._coef: list[np.ndarray] | None = None  # shared fit: coefficients of the draft, verify, other features
 
     def observe(self, batch_bucket: int, ctx: str, k: int, rounds: int, batch_rows: int,
                 draft_s: float, verify_s: float, other_s: float) -> None:
-        key = f"{batch_bucket}|{ctx}|{k}"
-        new_key = key not in self._agg
-        old = self._agg.get(key, [0.0] * 6)
+        cell = self._agg.setdefault((batch_bucket, ctx), {})
+        new_key = k not in cell
         weight = rounds / (rounds + ROUNDS_PER_FULL_WINDOW)  # a window of a few rounds is a weak measurement
-        self._agg[key] = [o * self.decay + x for o, x in
-                          zip(old, (rounds, batch_rows, draft_s, verify_s, other_s, weight), strict=True)]
+        cell.setdefault(k, CostAggregate()).add(self.decay, rounds, batch_rows, draft_s, verify_s, other_s, weight)
         self._since_fit += 1
         self._n_seen += 1
         # A (cell, k) never seen before refits at once: the first measurement of a cell or of a k is what
@@ -106,21 +135,16 @@ class CostModel:
         if new_key or self._since_fit >= min(self.refit_every, max(1, self._n_seen // 4)):
             self.refit()
 
-    def _cell(self, batch_bucket: int, ctx: str) -> dict[int, list[float]]:
-        """k -> aggregate of one cell."""
-        pre = f"{batch_bucket}|{ctx}|"
-        return {int(key[len(pre):]): v for key, v in self._agg.items() if key.startswith(pre)}
+    def _cell(self, batch_bucket: int, ctx: str) -> dict[int, CostAggregate]:
+        """k -> aggregate of one cell (read only)."""
+        return self._agg.get((batch_bucket, ctx), {})
 
     def ks_seen(self, batch_bucket: int, ctx: str) -> set[int]:
         return set(self._cell(batch_bucket, ctx))
 
-    def _cells_with_slope(self) -> list[tuple[int, str]]:
-        """(batch bucket, context bucket) of every cell measured at two or more k."""
-        ks: dict[str, set[str]] = {}
-        for key in self._agg:
-            cell, k = key.rsplit("|", 1)
-            ks.setdefault(cell, set()).add(k)
-        return [(int(bb), ctx) for bb, ctx in (c.split("|", 1) for c, v in ks.items() if len(v) >= 2)]
+    def _cells_with_slope(self) -> list[CostCell]:
+        """Every cell measured at two or more k."""
+        return [cell for cell, by_k in self._agg.items() if len(by_k) >= 2]
 
     def cells_with_slope(self) -> int:
         """Cells seen at two or more k: what identifies the shared slope in k that unprobed cells borrow."""
@@ -128,7 +152,7 @@ class CostModel:
 
     def k0_measured(self) -> bool:
         """Some cell was measured with speculation off (identifies the jump in cost at k > 0)."""
-        return any(key.endswith("|0") for key in self._agg)
+        return any(0 in by_k for by_k in self._agg.values())
 
     def extrapolating(self, batch_bucket: int, ctx: str) -> bool:
         """True when the cell lies beyond every cell measured at two or more k (larger batch or context)."""
@@ -142,22 +166,21 @@ class CostModel:
 
     def mean_batch(self, batch_bucket: int, ctx: str) -> float:
         cell = self._cell(batch_bucket, ctx).values()
-        r = sum(v[0] for v in cell)
-        b = sum(v[1] for v in cell)
+        r = sum(v.rounds for v in cell)
+        b = sum(v.batch_rows for v in cell)
         return b / r if r > 0 else float(batch_bucket)
 
     def refit(self) -> None:
         self._since_fit = 0
         if not self._agg:
             return
-        keys = sorted(self._agg)
-        parts = [key.rsplit("|", 2) for key in keys]
-        vals = np.array([self._agg[key] for key in keys])  # [N, 6]
-        rounds = vals[:, 0]
-        y = vals[:, 2:5] / rounds[:, None]  # [N, 3] mean seconds per round
-        b = vals[:, 1] / rounds
-        c = np.array([float(context_len_of(p[1])) for p in parts])
-        k = np.array([float(p[2]) for p in parts])
+        rows = sorted((((bb, ctx, k), agg) for (bb, ctx), by_k in self._agg.items() for k, agg in by_k.items()),
+                      key=lambda row: row[0])
+        rounds = np.array([agg.rounds for _, agg in rows])  # [N]
+        y = np.array([[agg.draft_s, agg.verify_s, agg.other_s] for _, agg in rows]) / rounds[:, None]  # [N, 3]
+        b = np.array([agg.batch_rows for _, agg in rows]) / rounds
+        c = np.array([float(context_len_of(ctx)) for (_, ctx, _), _ in rows])
+        k = np.array([float(kk) for (_, _, kk), _ in rows])
         feats = _features(b, c, k)
         # Relative errors, every observation weighted by how many rounds it holds (square root: a cell served
         # for hours must not drown out one seen for a minute).
@@ -166,20 +189,20 @@ class CostModel:
         for j, x in enumerate(feats):
             use = k > 0 if j == 0 else np.ones_like(k, dtype=bool)
             if not use.any():
-                coef.append([0.0] * x.shape[1])
+                coef.append(np.zeros(x.shape[1]))
                 continue
             norm = np.maximum(np.abs(x[use]).max(axis=0), 1e-30)  # column scaling for a well-conditioned solve
             fit = LinearRegression(fit_intercept=False, positive=True).fit(
                 x[use] / norm, y[use, j], sample_weight=w[use] ** 2)
-            coef.append((fit.coef_ / norm).tolist())
-        self._fit = {"coef": coef}
+            coef.append(fit.coef_ / norm)
+        self._coef = coef
 
     def _model(self, b: float, c: float, ks: np.ndarray) -> np.ndarray:
         """``[len(ks), 3]`` seconds per round from the shared fit alone."""
-        assert self._fit is not None
+        assert self._coef is not None
         n = ks.size
         feats = _features(np.full(n, b), np.full(n, c), ks)
-        return np.stack([x @ np.asarray(cf) for x, cf in zip(feats, self._fit["coef"], strict=True)], axis=1)
+        return np.stack([x @ cf for x, cf in zip(feats, self._coef, strict=True)], axis=1)
 
     def predict(self, batch_bucket: int, ctx: str, batch_size: float | None = None,
                 rng: np.random.Generator | None = None) -> np.ndarray:
@@ -189,19 +212,19 @@ class CostModel:
         Before the first fit returns the relative prior ``(c k, 1, 0)`` (only ratios across k matter then).
         """
         ks = np.arange(self.k_max + 1, dtype=float)
-        if self._fit is None:
+        if self._coef is None:
             return np.stack([PRIOR_DRAFT_PER_K * ks, np.ones_like(ks), np.zeros_like(ks)], axis=1)
         b = batch_size if batch_size is not None else self.mean_batch(batch_bucket, ctx)
         c = float(context_len_of(ctx))
         y = self._model(max(b, 1.0), c, ks)
         # The cell's own measurements: a scale on the shared shape, and the measured k themselves.
-        obs = {kk: v for kk, v in self._cell(batch_bucket, ctx).items() if kk <= self.k_max and v[0] > 0}
+        obs = {kk: v for kk, v in self._cell(batch_bucket, ctx).items() if kk <= self.k_max and v.rounds > 0}
         if obs:
             # Weights count windows, not rounds: what makes a measurement wrong is the machine's speed drifting
             # between windows (another tenant, clocks), which a window's hundreds of rounds do not average out.
             tau = self.prior_windows
-            n_w = {kk: v[5] for kk, v in obs.items()}
-            per_round = {kk: np.array(v[2:5]) / v[0] for kk, v in obs.items()}
+            n_w = {kk: v.windows for kk, v in obs.items()}
+            per_round = {kk: v.per_round() for kk, v in obs.items()}
             seen = sum(n_w[kk] * float(per_round[kk].sum()) for kk in obs)
             expect = sum(n_w[kk] * float(y[kk].sum()) for kk in obs)
             mean_pred = expect / sum(n_w.values())
@@ -232,19 +255,23 @@ class CostModel:
 
     @property
     def fitted(self) -> bool:
-        return self._fit is not None
+        return self._coef is not None
 
     def get_state(self) -> dict[str, Any]:
-        return {"agg": {k: list(v) for k, v in self._agg.items()}, "since_fit": self._since_fit,
-                "n_seen": self._n_seen, "fit": self._fit}
+        """JSON-safe state: one record per (cell, k) aggregate, in the order they were first seen."""
+        agg = [{"batch_bucket": bb, "context_bucket": ctx, "k": k, **asdict(a)}
+               for (bb, ctx), by_k in self._agg.items() for k, a in by_k.items()]
+        coef = None if self._coef is None else [c.tolist() for c in self._coef]
+        return {"agg": agg, "since_fit": self._since_fit, "n_seen": self._n_seen, "coef": coef}
 
     def set_state(self, st: dict[str, Any]) -> None:
-        # a snapshot from before the window count was kept: one window per aggregate
-        self._agg = {k: [float(x) for x in v] + [1.0] * (6 - len(v)) for k, v in st["agg"].items()}
+        """Inverse of :meth:`get_state`."""
+        self._agg = {}
+        for rec in st["agg"]:
+            cell = self._agg.setdefault((int(rec["batch_bucket"]), str(rec["context_bucket"])), {})
+            cell[int(rec["k"])] = CostAggregate(**{f: float(rec[f]) for f in AGGREGATE_FIELDS})
         self._since_fit, self._n_seen = int(st["since_fit"]), int(st["n_seen"])
-        fit = st["fit"]
-        if fit is not None and "coef" in fit and len(fit["coef"]) != len(PARTS):  # a snapshot of the older model
-            fit = None
-        self._fit = fit
-        if self._fit is None and self._agg:
-            self.refit()
+        coef = st["coef"]
+        if coef is not None and len(coef) != len(PARTS):
+            raise ValueError(f"cost fit has {len(coef)} parts, expected {len(PARTS)}")
+        self._coef = None if coef is None else [np.asarray(c, dtype=float) for c in coef]
