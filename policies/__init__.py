@@ -3,7 +3,7 @@
 ``REGISTRY`` maps each policy's name to its class; the conformance suite runs every entry.
 """
 
-from policies.base import Decision, Policy
+from policies.base import Decision, DecisionKind, Policy
 from policies.batch_table import BatchTablePolicy
 from policies.goodput import GoodputPolicy
 from policies.hf_heuristic import HFHeuristicPolicy
@@ -20,6 +20,7 @@ __all__ = [
     "REGISTRY",
     "BatchTablePolicy",
     "Decision",
+    "DecisionKind",
     "GoodputPolicy",
     "HFHeuristicPolicy",
     "Policy",

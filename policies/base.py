@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
 from typing import Any, ClassVar
 
 import numpy as np
@@ -32,6 +33,22 @@ SNAPSHOT_VERSION = 2  # bump when a snapshot's shape changes; restore() rejects 
 Window = AcceptanceWindow | CostWindow
 
 
+class DecisionKind(Enum):
+    """Which rule produced a decision: what tests, metrics and operators branch on (``reason`` is prose)."""
+
+    RULE = "rule"  # a fixed rule or heuristic of a policy that keeps no incumbent (static k, a schedule)
+    BURN_IN = "burn_in"  # too few windows observed yet: the configured burn-in k
+    FIRST = "first"  # the first choice for a bucket
+    BEST = "best"  # the current best guess, unchanged
+    HOLD = "hold"  # the incumbent, kept for a while after a switch whatever the estimates say
+    SWITCH = "switch"  # the incumbent changed to another k
+    OFF = "off"  # the incumbent changed to k = 0: speculation turned off
+    EXPLORE = "explore"  # a k other than the best guess, served to measure it
+    PROBE = "probe"  # a second k served once in a cell measured at one k only, to learn its cost slope
+    PROBE_OFF = "probe_off"  # k = 0 served once to measure it before speculation may be turned off
+    REPROBE = "reprobe"  # speculation served once in a cell that has been off for a while
+
+
 @dataclass(frozen=True)
 class Decision:
     """What a policy chose for one bucket, and why."""
@@ -40,6 +57,7 @@ class Decision:
     expected_goodput: dict[int, float] = field(default_factory=dict)  # candidate k -> expected tokens/s (if modelled)
     exploring: bool = False  # True when k is not the policy's current best guess (exploration or probe)
     reason: str = ""  # short human-readable why, for operators and logs
+    kind: DecisionKind = DecisionKind.RULE  # the rule that chose k, for code that branches on it
 
 
 def cell_key(target: str, draft: str, batch_bucket: int | str, context_bucket: str) -> str:
@@ -94,11 +112,11 @@ class Policy(ABC):
         if not isinstance(bucket, Bucket):
             raise RecordError("bad_type", f"decide() takes a Bucket, got {type(bucket).__name__}")
         if self._n_windows < self.burn_in_windows:
-            return Decision(k=self._clamp(self.burn_in_k), exploring=True, reason="burn-in")
+            return Decision(k=self._clamp(self.burn_in_k), exploring=True, reason="burn-in", kind=DecisionKind.BURN_IN)
         d = self._decide(bucket, explore)
         k = self._clamp(d.k)
         if k != d.k:
-            d = Decision(k=k, expected_goodput=d.expected_goodput, exploring=d.exploring, reason=d.reason + "; clamped")
+            d = replace(d, k=k, reason=d.reason + "; clamped")
         return d
 
     def observe(self, window: Window) -> None:

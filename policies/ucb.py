@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from policies.base import Decision, Policy, Window, cell_key
+from policies.base import Decision, DecisionKind, Policy, Window, cell_key
 from telemetry.records import Bucket, CostWindow
 
 
@@ -41,22 +41,25 @@ class UCBPolicy(Policy):
         cell = self._cells.get(cell_key(b.target_version, b.draft_version, b.batch_bucket, b.context_bucket))
         if cell is None:
             # unknown cell: start exploring from the arm order (the same one for every unknown bucket)
-            return Decision(k=0 if explore else 1, exploring=explore, reason="unknown cell: first arm")
+            return Decision(k=0 if explore else 1, exploring=explore, reason="unknown cell: first arm",
+                            kind=DecisionKind.EXPLORE if explore else DecisionKind.FIRST)
         n, s, best = cell["n"], cell["sum"], max(cell["best"], 1e-12)
         means = {k: s[k] / n[k] * best for k in range(self.k_max + 1) if n[k] > 0}
         if not explore:
             k = max(means, key=lambda j: means[j]) if means else 1
-            return Decision(k=k, expected_goodput=means, reason="best mean")
+            return Decision(k=k, expected_goodput=means, reason="best mean", kind=DecisionKind.BEST)
         untried = [k for k in range(self.k_max + 1) if n[k] == 0]
         if untried:
-            return Decision(k=untried[0], expected_goodput=means, exploring=True, reason="untried arm")
+            return Decision(k=untried[0], expected_goodput=means, exploring=True, reason="untried arm",
+                            kind=DecisionKind.EXPLORE)
         total = sum(n)
         score = [s[k] / n[k] + self.c * math.sqrt(2.0 * math.log(total) / n[k]) for k in range(self.k_max + 1)]
         top = max(score)
         ties = [k for k, v in enumerate(score) if v >= top - 1e-12]
         k = int(ties[self._rng.integers(len(ties))]) if len(ties) > 1 else ties[0]
         greedy = max(means, key=lambda j: means[j])
-        return Decision(k=k, expected_goodput=means, exploring=k != greedy, reason="ucb1")
+        return Decision(k=k, expected_goodput=means, exploring=k != greedy, reason="ucb1",
+                        kind=DecisionKind.EXPLORE if k != greedy else DecisionKind.BEST)
 
     def _observe(self, window: Window) -> None:
         if not isinstance(window, CostWindow):

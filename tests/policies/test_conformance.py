@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.simulator import Calibration, buckets_of, simulate, workload
-from policies import REGISTRY, Policy
+from policies import REGISTRY, DecisionKind, Policy
 from telemetry.records import AcceptanceWindow, Bucket, CostWindow, RecordError, Stat
 
 FIXTURE = Path(__file__).with_name("fixture_engine.json")
@@ -52,7 +52,7 @@ def test_k_within_bounds(name: str, cal: Calibration) -> None:
         for explore in (True, False):
             d = p.decide(b, explore=explore)
             assert 0 <= d.k <= 3
-            assert isinstance(d.reason, str)
+            assert isinstance(d.kind, DecisionKind) and isinstance(d.reason, str)
 
 
 @pytest.mark.parametrize("name", NAMES)
