@@ -10,13 +10,32 @@ version starts from the previous version's curve with a small (discounted) pseud
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from telemetry.records import AcceptanceWindow
 
-WILD = "*"
+Versions = tuple[str, str]  # (target version, draft version)
+
+
+@dataclass(slots=True)
+class Counts:
+    """Decayed per-position successes and trials of one level of the hierarchy."""
+
+    s: np.ndarray  # [K] successes
+    n: np.ndarray  # [K] trials
+
+
+@dataclass(slots=True)
+class _VersionCounts:
+    """Everything learnt about one (target, draft) version pair."""
+
+    glob: Counts  # every request type and context bucket
+    by_type: dict[str, Counts] = field(default_factory=dict)  # request type -> counts over every context bucket
+    by_bucket: dict[tuple[str, str], Counts] = field(default_factory=dict)  # (request type, context bucket) -> counts
+    rows: dict[str, dict[str, float]] = field(default_factory=dict)  # context bucket -> type -> decayed rows (mix)
 
 
 def counts_from_hist(hist: tuple[int, ...] | list[int], positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -57,74 +76,99 @@ class AcceptanceModel:
         self.prior_mean, self.decay = prior_mean, decay
         self.bucket_strength, self.type_strength = bucket_strength, type_strength
         self.version_strength = version_strength
-        self._s: dict[str, np.ndarray] = {}
-        self._n: dict[str, np.ndarray] = {}
-        self._rows: dict[str, float] = {}  # decayed rows per (t, d, type, ctx): the request mix
-        self._versions: list[str] = []  # "t|d" in order of first appearance
+        self._by_versions: dict[Versions, _VersionCounts] = {}  # in order of first appearance
+
+    def _zeros(self) -> Counts:
+        return Counts(np.zeros(self.K), np.zeros(self.K))
 
     def observe(self, w: AcceptanceWindow) -> None:
-        vd = f"{w.target_version}|{w.draft_version}"
-        if vd not in self._versions:
-            self._versions.append(vd)
-        bkey = f"{vd}|{w.request_type}|{w.context_bucket}"
-        self._rows[bkey] = self._rows.get(bkey, 0.0) * self.decay + w.rows
+        vc = self._by_versions.get((w.target_version, w.draft_version))
+        if vc is None:
+            vc = self._by_versions[(w.target_version, w.draft_version)] = _VersionCounts(glob=self._zeros())
+        mix = vc.rows.setdefault(w.context_bucket, {})
+        mix[w.request_type] = mix.get(w.request_type, 0.0) * self.decay + w.rows
         if w.k == 0 or w.rows == 0:
             return
         s, n = counts_from_hist(w.hist, self.K)
-        for key in (bkey, f"{vd}|{w.request_type}|{WILD}", f"{vd}|{WILD}|{WILD}"):
-            self._s[key] = self._s.get(key, np.zeros(self.K)) * self.decay + s
-            self._n[key] = self._n.get(key, np.zeros(self.K)) * self.decay + n
+        # A level is created at its first counts: "a type curve exists" is what carries it to a new version.
+        bucket = vc.by_bucket.setdefault((w.request_type, w.context_bucket), self._zeros())
+        rtype = vc.by_type.setdefault(w.request_type, self._zeros())
+        for c in (bucket, rtype, vc.glob):
+            c.s = c.s * self.decay + s
+            c.n = c.n * self.decay + n
 
-    def _counts(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        return self._s.get(key, np.zeros(self.K)), self._n.get(key, np.zeros(self.K))
-
-    def _previous(self, vd: str) -> str | None:
+    def _previous(self, vd: Versions) -> Versions | None:
         """The most recent other (target, draft) versions seen before ``vd`` (or last seen, if vd is new)."""
-        if vd in self._versions:
-            i = self._versions.index(vd)
-            return self._versions[i - 1] if i > 0 else None
-        return self._versions[-1] if self._versions else None
+        versions = list(self._by_versions)
+        if vd in self._by_versions:
+            i = versions.index(vd)
+            return versions[i - 1] if i > 0 else None
+        return versions[-1] if versions else None
 
-    def type_mean(self, vd: str, rtype: str, depth: int = 0) -> np.ndarray:
+    def type_mean(self, vd: Versions, rtype: str, depth: int = 0) -> np.ndarray:
         """``[K]`` posterior mean of the request-type curve, shrunk toward global / previous version."""
         prev = self._previous(vd) if depth < 2 else None
         base = np.full(self.K, self.prior_mean)
-        if prev is not None and (prev + f"|{rtype}|{WILD}") in self._n:
+        if prev is not None and rtype in self._by_versions[prev].by_type:
             base = self.type_mean(prev, rtype, depth + 1)
-        gs, gn = self._counts(f"{vd}|{WILD}|{WILD}")
-        glob = (gs + self.version_strength * base) / (gn + self.version_strength)
-        ts, tn = self._counts(f"{vd}|{rtype}|{WILD}")
-        return np.asarray((ts + self.type_strength * glob) / (tn + self.type_strength))
+        vc = self._by_versions.get(vd)
+        glob = vc.glob if vc is not None else self._zeros()
+        mean_glob = (glob.s + self.version_strength * base) / (glob.n + self.version_strength)
+        t = vc.by_type.get(rtype) if vc is not None else None
+        t = t if t is not None else self._zeros()
+        return np.asarray((t.s + self.type_strength * mean_glob) / (t.n + self.type_strength))
 
-    def beta_params(self, vd: str, rtype: str, ctx: str) -> tuple[np.ndarray, np.ndarray]:
+    def beta_params(self, vd: Versions, rtype: str, ctx: str) -> tuple[np.ndarray, np.ndarray]:
         """``([K], [K])`` Beta(a, b) parameters of the bucket's per-position acceptance."""
         m = np.clip(self.type_mean(vd, rtype), 1e-3, 1 - 1e-3)
-        s, n = self._counts(f"{vd}|{rtype}|{ctx}")
+        vc = self._by_versions.get(vd)
+        c = vc.by_bucket.get((rtype, ctx)) if vc is not None else None
+        c = c if c is not None else self._zeros()
         strength = self.bucket_strength
-        return s + strength * m, (n - s) + strength * (1.0 - m)
+        return c.s + strength * m, (c.n - c.s) + strength * (1.0 - m)
 
-    def cond(self, vd: str, rtype: str, ctx: str, rng: np.random.Generator | None) -> np.ndarray:
+    def cond(self, vd: Versions, rtype: str, ctx: str, rng: np.random.Generator | None) -> np.ndarray:
         """``[K]`` conditional acceptance: a Thompson draw when ``rng`` is given, else the posterior mean."""
         a, b = self.beta_params(vd, rtype, ctx)
         if rng is None:
             return a / (a + b)
         return rng.beta(a, b)
 
-    def mix(self, vd: str, ctx: str) -> dict[str, float]:
+    def mix(self, vd: Versions, ctx: str) -> dict[str, float]:
         """Recent rows per request type for (versions, context bucket)."""
-        pre = f"{vd}|"
-        out: dict[str, float] = {}
-        for key, rows in self._rows.items():
-            if key.startswith(pre) and key.endswith(f"|{ctx}") and rows > 0:
-                out[key[len(pre) : -len(ctx) - 1]] = rows
-        return out
+        vc = self._by_versions.get(vd)
+        rows = vc.rows.get(ctx, {}) if vc is not None else {}
+        return {t: r for t, r in rows.items() if r > 0}
 
     def get_state(self) -> dict[str, Any]:
-        return {"s": {k: v.tolist() for k, v in self._s.items()}, "n": {k: v.tolist() for k, v in self._n.items()},
-                "rows": dict(self._rows), "versions": list(self._versions)}
+        """JSON-safe state: one record per version pair, levels as records, in the order they were first seen."""
+        return {"versions": [
+            {"target": t, "draft": d, "global": _counts_state(vc.glob),
+             "types": [{"request_type": rt, **_counts_state(c)} for rt, c in vc.by_type.items()],
+             "buckets": [{"request_type": rt, "context_bucket": cx, **_counts_state(c)}
+                         for (rt, cx), c in vc.by_bucket.items()],
+             "rows": [{"context_bucket": cx, "request_type": rt, "rows": r}
+                      for cx, by_type in vc.rows.items() for rt, r in by_type.items()]}
+            for (t, d), vc in self._by_versions.items()]}
 
     def set_state(self, st: dict[str, Any]) -> None:
-        self._s = {k: np.asarray(v, dtype=float) for k, v in st["s"].items()}
-        self._n = {k: np.asarray(v, dtype=float) for k, v in st["n"].items()}
-        self._rows = {k: float(v) for k, v in st["rows"].items()}
-        self._versions = [str(v) for v in st["versions"]]
+        """Inverse of :meth:`get_state`."""
+        self._by_versions = {}
+        for v in st["versions"]:
+            vc = _VersionCounts(glob=self._counts_of(v["global"]))
+            vc.by_type = {str(r["request_type"]): self._counts_of(r) for r in v["types"]}
+            vc.by_bucket = {(str(r["request_type"]), str(r["context_bucket"])): self._counts_of(r)
+                            for r in v["buckets"]}
+            for r in v["rows"]:
+                vc.rows.setdefault(str(r["context_bucket"]), {})[str(r["request_type"])] = float(r["rows"])
+            self._by_versions[(str(v["target"]), str(v["draft"]))] = vc
+
+    def _counts_of(self, rec: dict[str, Any]) -> Counts:
+        c = Counts(np.asarray(rec["s"], dtype=float), np.asarray(rec["n"], dtype=float))
+        if c.s.shape != (self.K,) or c.n.shape != (self.K,):
+            raise ValueError(f"acceptance counts must have {self.K} positions")
+        return c
+
+
+def _counts_state(c: Counts) -> dict[str, list[float]]:
+    return {"s": c.s.tolist(), "n": c.n.tolist()}

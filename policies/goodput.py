@@ -20,22 +20,91 @@ cell seen at one k only, beyond the batch/context range the cost model has measu
 second k; a cell that is off is re-probed every ``probe_every`` decisions. A model update shows up as new
 versions in the bucket; their acceptance starts from the previous version's type curve with a small
 pseudo-count.
+
+The decision for a cell is an ordered list of small rules, each ``(cell state, estimate) -> choice or None``:
+the first that answers picks the ks the cell serves (first decision, hold, probe k = 0, switch, explore, keep
+the incumbent), then the measurement overrides run in order and may replace it (a cost probe, a re-probe after
+a long stretch off). Each answer carries a :class:`~policies.base.DecisionKind`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from policies._acceptance import AcceptanceModel
+from policies._acceptance import AcceptanceModel, Versions
 from policies._cost import CostModel
 from policies.analytic import batch_goodput, emitted_by_k
-from policies.base import Decision, Policy, Window, cell_key
+from policies.base import Decision, DecisionKind, Policy, Window
 from telemetry.records import AcceptanceWindow, Bucket, CostWindow
 
 MIN_TYPE_WEIGHT = 0.02  # a type absent from the recent mix still gets a say (it is being asked about)
 TRIM_FROM_ROUNDS = 4  # cost windows of at least this many rounds drop their slowest round (see _observe)
+# Kinds that serve something other than the incumbent, to measure it.
+EXPLORING_KINDS = frozenset({DecisionKind.EXPLORE, DecisionKind.PROBE, DecisionKind.PROBE_OFF, DecisionKind.REPROBE})
+
+CellKey = tuple[str, str, int, str]  # (target version, draft version, batch-size bucket, context bucket)
+
+
+@dataclass(slots=True)
+class _Cell:
+    """What the policy keeps per cost cell. One choice covers every request type sharing the cell's batches."""
+
+    incumbent: dict[str, int] = field(default_factory=dict)  # type -> k that exploitation serves
+    served: dict[str, int] = field(default_factory=dict)  # type -> k served this epoch (incumbent, probe or draw)
+    kind: DecisionKind = DecisionKind.FIRST  # the rule that chose ``served``
+    reason: str = ""  # the same, for people
+    expected: dict[int, float] = field(default_factory=dict)  # k -> posterior-mean goodput with one shared k
+    hold: int = 0  # decisions left before the incumbent may change again
+    off: int = 0  # consecutive decisions that served speculation off
+    probed: bool = False  # the cell's one cost probe has been served
+    epoch: int = -1  # windows observed when ``served`` was chosen: one choice per cell per batch of windows
+
+
+@dataclass(frozen=True)
+class _Estimate:
+    """What a decision for one cell knows: the request types sharing its batches and goodput per joint choice."""
+
+    bucket: Bucket
+    types: tuple[str, ...]  # request types of the cell, sorted: the columns of ``combos``
+    combos: np.ndarray  # [C, T] joint ks, one column per type
+    g_mean: np.ndarray  # [C] posterior-mean goodput of each joint choice
+    g_shared: np.ndarray  # [K + 1] posterior-mean goodput with one k for every type
+    g_draw: np.ndarray  # [C] a Thompson draw of g_mean
+    g_draw_shared: np.ndarray  # [K + 1] the same draw with one k for every type
+
+    @property
+    def best(self) -> tuple[int, ...]:
+        """The posterior mean's best joint ks."""
+        return tuple(int(x) for x in self.combos[int(np.argmax(self.g_mean))])
+
+    @property
+    def best_on(self) -> int:
+        """The posterior mean's best k > 0 shared by every type."""
+        return int(np.argmax(self.g_shared[1:]) + 1)
+
+    def index(self, ks: tuple[int, ...]) -> int:
+        """Row of ``combos`` holding the joint ks ``ks``."""
+        return int(np.flatnonzero((self.combos == np.array(ks)).all(axis=1))[0])
+
+    def shared(self, k: int) -> tuple[int, ...]:
+        """One k for every type."""
+        return (k,) * len(self.types)
+
+
+@dataclass(frozen=True)
+class _CellDecision:
+    """A rule's answer for a whole cell: one k per type of the estimate."""
+
+    kind: DecisionKind
+    ks: tuple[int, ...]
+    reason: str
+
+
+Rule = Callable[[_Cell, _Estimate], _CellDecision | None]
 
 
 class GoodputPolicy(Policy):
@@ -84,8 +153,12 @@ class GoodputPolicy(Policy):
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every)
-        # cell -> {"ks": {type: k} served now, "base": {type: k} incumbent, "hold", "off", "probed", "epoch"}
-        self._cells: dict[str, dict[str, Any]] = {}
+        self._cells: dict[CellKey, _Cell] = {}
+        # What a cell serves: the first of these rules that answers (the last one always does).
+        self._rules: tuple[Rule, ...] = (self._first, self._hold, self._probe_off, self._switch, self._explore,
+                                         self._keep)
+        # Then, in order, measurements that override what the rules chose (each sees what the cell serves so far).
+        self._overrides: tuple[Rule, ...] = (self._cost_probe, self._reprobe)
 
     # ----------------------------------------------------------------------------------------- learning
     def _observe(self, window: Window) -> None:
@@ -108,7 +181,7 @@ class GoodputPolicy(Policy):
     def _evaluate(self, bucket: Bucket, types: list[str], weights: np.ndarray,
                   rng: np.random.Generator | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Joint combos ``[C, T]``, their goodput ``[C]`` and the shared-k goodput ``[K + 1]``."""
-        vd = f"{bucket.target_version}|{bucket.draft_version}"
+        vd: Versions = (bucket.target_version, bucket.draft_version)
         cond = np.stack([self._acc.cond(vd, t, bucket.context_bucket, rng) for t in types])  # [T, K]
         emitted = emitted_by_k(cond[:, : self.k_max])  # [T, K+1]
         b = self._cost.mean_batch(bucket.batch_bucket, bucket.context_bucket)
@@ -124,107 +197,176 @@ class GoodputPolicy(Policy):
 
     def _decide(self, bucket: Bucket, explore: bool) -> Decision:
         b = bucket
-        ckey = cell_key(b.target_version, b.draft_version, b.batch_bucket, b.context_bucket)
-        vd = f"{b.target_version}|{b.draft_version}"
-        mix = self._acc.mix(vd, b.context_bucket)
+        key: CellKey = (b.target_version, b.draft_version, b.batch_bucket, b.context_bucket)
+        mix = self._acc.mix((b.target_version, b.draft_version), b.context_bucket)
         total = sum(mix.values())
         types = sorted(set(mix) | {b.request_type})
         w = np.array([max(mix.get(t, 0.0) / total if total else 0.0, MIN_TYPE_WEIGHT) for t in types])
-        st = self._cells.get(ckey)
-        if explore and st is not None and st["epoch"] == self._n_windows and b.request_type in st["ks"]:
-            return self._result(st, b.request_type, "cached")  # one decision per cell per batch of windows
+        cell = self._cells.get(key)
+        if explore and cell is not None and cell.epoch == self._n_windows and b.request_type in cell.served:
+            return self._result(cell, b.request_type)  # one decision per cell per batch of windows
         combos, g_mean, g_shared = self._evaluate(b, types, w, None)
-        best_mean = combos[int(np.argmax(g_mean))]
         expected = {k: float(v) for k, v in enumerate(g_shared) if np.isfinite(v)}
         if not explore:  # the incumbent, not a probe or draw served this epoch
-            inc = st.get("base", st["ks"]) if st is not None else {}
-            ks = inc if all(t in inc for t in types) else dict(zip(types, best_mean, strict=True))
-            return Decision(k=int(ks[b.request_type]), expected_goodput=expected, reason="current best, no exploration")
-        combos, g, g_draw = self._evaluate(b, types, w, self._rng)  # Thompson draw
-        if st is None:
-            st = {"ks": {}, "base": {}, "hold": 0, "off": 0, "probed": False, "epoch": -1}
-            self._cells[ckey] = st
-        base = st.setdefault("base", dict(st["ks"]))  # the incumbent: what exploitation serves
-        cur = [int(base.get(t, -1)) for t in types]
-        reason, exploring = "current best", False
-        if any(k < 0 for k in cur):  # first decision for (some of) these types: the posterior mean's best
-            new, reason = [int(x) for x in best_mean], "first decision"
-            if max(new) == 0 and self._cost.extrapolating(b.batch_bucket, b.context_bucket):
-                # Off on an extrapolation alone is a guess; off is decided on this cell's measurements.
-                new, reason = [int(np.argmax(g_shared[1:]) + 1)] * len(types), "first decision (on until measured)"
-            base.update(zip(types, new, strict=True))
-        else:
-            ci = int(np.flatnonzero((combos == np.array(cur)).all(axis=1))[0])
-            new = cur
-            if st["hold"] > 0:
-                st["hold"] -= 1
-                reason = "holding after a switch"
-            elif g_mean.max() > g_mean[ci] * (1.0 + self._margin(max(cur), int(best_mean.max()))):
-                new = [int(x) for x in best_mean]
-                if max(new) == 0 and 0 not in self._cost.ks_seen(b.batch_bucket, b.context_bucket):
-                    # Off on a predicted cost alone is a guess: measure k = 0 here for one decision first.
-                    reason, exploring = "probe k=0 before turning speculation off", True
-                else:
-                    # Switch on the posterior mean only, then hold: no flapping (vLLM #49548).
-                    reason = "switch: expected gain above margin"
-                    base.update(zip(types, new, strict=True))
-                    st["hold"] = self.hold_decisions
-            elif max(cur) > 0:
-                # Exploration tries one k for the whole cell (mixed ks pay the largest k's verify), near the
-                # incumbent, never k = 0: turning the draft off and on costs a catch-up of every token it missed,
-                # so k = 0 is reached by the mean (with off_margin) or by a cost probe, not by a lucky draw. For
-                # the same reason a cell that is off is not explored by draws either: it is re-probed every
-                # probe_every decisions, or switched back on by the mean.
-                centre = max(cur)
-                r = self.explore_radius
-                near = np.arange(max(1, centre - r), min(self.k_max, centre + r) + 1)
-                k_draw = int(near[np.argmax(g_draw[near])])
-                if k_draw != max(cur) and g_draw[k_draw] > g[ci] * (1.0 + self.switch_margin):
-                    # Served for one decision to measure it; the incumbent stays, and the next decision switches
-                    # only if the measurement moved the mean.
-                    new, reason, exploring = [k_draw] * len(types), "explore: Thompson draw", True
-        seen = self._cost.ks_seen(b.batch_bucket, b.context_bucket)
-        # Identify this cell's cost slope in k, unless enough other cells already pin the shared slope down and
-        # the cell lies within their range (interpolation is trusted, extrapolation is measured).
-        borrow = (self._cost.cells_with_slope() >= self.slope_cells
-                  and not self._cost.extrapolating(b.batch_bucket, b.context_bucket))
-        if len(seen) == 1 and not st["probed"] and not borrow:
-            only = next(iter(seen))
-            if only == 0:
-                alt = int(np.argmax(g_shared[1:]) + 1)
-            elif not self._cost.k0_measured():  # the jump at k > 0 is identified by measuring k = 0 once
-                alt = 0
-            else:  # a second k > 0 identifies the slope without paying a catch-up
-                alt = only + 2 if only + 2 <= self.k_max else max(1, only - 2)
-            new, reason, exploring, st["probed"] = [alt] * len(types), f"cost probe at k={alt}", True, True
-        st["off"] = st["off"] + 1 if max(new) == 0 else 0
-        if st["off"] >= self.probe_every:
-            alt = int(np.argmax(g_shared[1:]) + 1)
-            new, reason, exploring, st["off"] = [alt] * len(types), f"re-probe k={alt} after speculation off", True, 0
-        st["ks"] = dict(zip(types, new, strict=True))
-        st["epoch"] = self._n_windows
-        st["reason"], st["exploring"], st["expected"] = reason, exploring, expected
-        return self._result(st, b.request_type, reason)
+            inc = cell.incumbent if cell is not None else {}
+            ks = inc if all(t in inc for t in types) else dict(zip(types, combos[int(np.argmax(g_mean))], strict=True))
+            return Decision(k=int(ks[b.request_type]), expected_goodput=expected, reason="current best, no exploration",
+                            kind=DecisionKind.BEST)
+        _, g_draw, g_draw_shared = self._evaluate(b, types, w, self._rng)  # Thompson draw (same combos)
+        if cell is None:
+            cell = self._cells[key] = _Cell()
+        est = _Estimate(b, tuple(types), combos, g_mean, g_shared, g_draw, g_draw_shared)
+        self._serve(cell, est, next(d for rule in self._rules if (d := rule(cell, est)) is not None))
+        for override in self._overrides:
+            d = override(cell, est)
+            if d is not None:
+                self._serve(cell, est, d)
+        cell.epoch = self._n_windows
+        cell.expected = expected
+        return self._result(cell, b.request_type)
+
+    @staticmethod
+    def _serve(cell: _Cell, est: _Estimate, d: _CellDecision) -> None:
+        cell.served = dict(zip(est.types, d.ks, strict=True))
+        cell.kind, cell.reason = d.kind, d.reason
+
+    @staticmethod
+    def _result(cell: _Cell, rtype: str) -> Decision:
+        return Decision(k=int(cell.served[rtype]), expected_goodput=dict(cell.expected),
+                        exploring=cell.kind in EXPLORING_KINDS, reason=cell.reason, kind=cell.kind)
+
+    # ----------------------------------------------------------------------------------------- rules
+    @staticmethod
+    def _incumbent(cell: _Cell, est: _Estimate) -> tuple[int, ...]:
+        return tuple(cell.incumbent[t] for t in est.types)
 
     def _margin(self, k_from: int, k_to: int) -> float:
         """Relative gain a switch must promise; turning speculation off must promise ``off_margin``."""
         return self.off_margin if k_to == 0 < k_from else self.switch_margin
 
-    @staticmethod
-    def _result(st: dict[str, Any], rtype: str, reason: str) -> Decision:
-        return Decision(k=int(st["ks"][rtype]), expected_goodput=dict(st.get("expected", {})),
-                        exploring=bool(st.get("exploring", False)), reason=str(st.get("reason", reason)))
+    def _beats_incumbent(self, cell: _Cell, est: _Estimate) -> bool:
+        """The posterior mean's best beats the incumbent by the margin of that switch."""
+        cur = self._incumbent(cell, est)
+        return bool(est.g_mean.max() > est.g_mean[est.index(cur)] * (1.0 + self._margin(max(cur), max(est.best))))
+
+    def _first(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
+        """A type without an incumbent: every type of the cell adopts the posterior mean's best."""
+        if all(t in cell.incumbent for t in est.types):
+            return None
+        ks, reason = est.best, "first decision"
+        if max(ks) == 0 and self._cost.extrapolating(est.bucket.batch_bucket, est.bucket.context_bucket):
+            # Off on an extrapolation alone is a guess; off is decided on this cell's measurements.
+            ks, reason = est.shared(est.best_on), "first decision (on until measured)"
+        cell.incumbent.update(zip(est.types, ks, strict=True))
+        return _CellDecision(DecisionKind.FIRST, ks, reason)
+
+    def _hold(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
+        """After a switch the incumbent stays for ``hold_decisions``: k flipping collapses throughput (vLLM #49548)."""
+        if cell.hold <= 0:
+            return None
+        cell.hold -= 1
+        return _CellDecision(DecisionKind.HOLD, self._incumbent(cell, est), "holding after a switch")
+
+    def _probe_off(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
+        """The mean says turn speculation off, but k = 0 was never measured in this cell: measure it once first.
+
+        Off on a predicted cost alone is a guess, and switching back on costs the draft a catch-up.
+        """
+        bb, ctx = est.bucket.batch_bucket, est.bucket.context_bucket
+        if max(est.best) > 0 or 0 in self._cost.ks_seen(bb, ctx) or not self._beats_incumbent(cell, est):
+            return None
+        return _CellDecision(DecisionKind.PROBE_OFF, est.best, "probe k=0 before turning speculation off")
+
+    def _switch(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
+        """The posterior mean's best beats the incumbent by the margin: adopt it, then hold (no flapping).
+
+        Only the mean switches: a lucky Thompson draw is served once (explore), never adopted.
+        """
+        if not self._beats_incumbent(cell, est):
+            return None
+        cell.incumbent.update(zip(est.types, est.best, strict=True))
+        cell.hold = self.hold_decisions
+        if max(est.best) == 0:
+            return _CellDecision(DecisionKind.OFF, est.best, "switch off: expected gain above off_margin")
+        return _CellDecision(DecisionKind.SWITCH, est.best, "switch: expected gain above margin")
+
+    def _explore(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
+        """A Thompson draw favours another k near the incumbent by the margin: serve it once to measure it.
+
+        One k for the whole cell (mixed ks pay the largest k's verify), within ``explore_radius`` of the
+        incumbent, never k = 0: turning the draft off and on costs a catch-up of every token it missed, so k = 0
+        is reached by the mean (with ``off_margin``) or by a cost probe, not by a lucky draw. For the same reason
+        a cell that is off is not explored by draws: it is re-probed every ``probe_every`` decisions, or switched
+        back on by the mean. The incumbent stays; the next decision switches only if the measurement moved the
+        mean.
+        """
+        cur = self._incumbent(cell, est)
+        centre = max(cur)
+        if centre == 0:
+            return None
+        r = self.explore_radius
+        near = np.arange(max(1, centre - r), min(self.k_max, centre + r) + 1)
+        k_draw = int(near[np.argmax(est.g_draw_shared[near])])
+        if k_draw == centre or not est.g_draw_shared[k_draw] > est.g_draw[est.index(cur)] * (1.0 + self.switch_margin):
+            return None
+        return _CellDecision(DecisionKind.EXPLORE, est.shared(k_draw), "explore: Thompson draw")
+
+    def _keep(self, cell: _Cell, est: _Estimate) -> _CellDecision:
+        """Nothing else applies: serve the incumbent."""
+        return _CellDecision(DecisionKind.BEST, self._incumbent(cell, est), "current best")
+
+    def _cost_probe(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
+        """A cell measured at one k only is served a second k once, to identify its cost slope in k.
+
+        Not when enough other cells already pin the shared slope down and the cell lies within their range:
+        interpolation is trusted, extrapolation is measured.
+        """
+        bb, ctx = est.bucket.batch_bucket, est.bucket.context_bucket
+        seen = self._cost.ks_seen(bb, ctx)
+        if len(seen) != 1 or cell.probed:
+            return None
+        if self._cost.cells_with_slope() >= self.slope_cells and not self._cost.extrapolating(bb, ctx):
+            return None
+        only = next(iter(seen))
+        if only == 0:
+            alt = est.best_on
+        elif not self._cost.k0_measured():  # the jump at k > 0 is identified by measuring k = 0 once
+            alt = 0
+        else:  # a second k > 0 identifies the slope without paying a catch-up
+            alt = only + 2 if only + 2 <= self.k_max else max(1, only - 2)
+        cell.probed = True
+        return _CellDecision(DecisionKind.PROBE, est.shared(alt), f"cost probe at k={alt}")
+
+    def _reprobe(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
+        """A cell served speculation off for ``probe_every`` decisions in a row serves its best k > 0 once.
+
+        Draws never explore a cell that is off (see :meth:`_explore`), so this is how it learns whether
+        speculation pays again.
+        """
+        cell.off = cell.off + 1 if max(cell.served.values()) == 0 else 0
+        if cell.off < self.probe_every:
+            return None
+        cell.off = 0
+        alt = est.best_on
+        return _CellDecision(DecisionKind.REPROBE, est.shared(alt), f"re-probe k={alt} after speculation off")
 
     # ----------------------------------------------------------------------------------------- state
     def _get_state(self) -> dict[str, Any]:
-        cells = {k: {**v, "ks": {t: int(x) for t, x in v["ks"].items()},
-                     "base": {t: int(x) for t, x in v.get("base", v["ks"]).items()},
-                     "expected": {str(kk): vv for kk, vv in v.get("expected", {}).items()}}
-                 for k, v in self._cells.items()}
+        cells = [{"target_version": t, "draft_version": d, "batch_bucket": bb, "context_bucket": ctx,
+                  "incumbent": dict(c.incumbent), "served": dict(c.served), "kind": c.kind.value, "reason": c.reason,
+                  "expected": {str(k): g for k, g in c.expected.items()}, "hold": c.hold, "off": c.off,
+                  "probed": c.probed, "epoch": c.epoch}
+                 for (t, d, bb, ctx), c in self._cells.items()]
         return {"acceptance": self._acc.get_state(), "cost": self._cost.get_state(), "cells": cells}
 
     def _set_state(self, state: dict[str, Any]) -> None:
         self._acc.set_state(state["acceptance"])
         self._cost.set_state(state["cost"])
-        self._cells = {k: {**v, "expected": {int(kk): float(vv) for kk, vv in v.get("expected", {}).items()}}
-                       for k, v in state["cells"].items()}
+        self._cells = {}
+        for r in state["cells"]:
+            key = (str(r["target_version"]), str(r["draft_version"]), int(r["batch_bucket"]), str(r["context_bucket"]))
+            self._cells[key] = _Cell(
+                incumbent={str(t): int(k) for t, k in r["incumbent"].items()},
+                served={str(t): int(k) for t, k in r["served"].items()}, kind=DecisionKind(r["kind"]),
+                reason=str(r["reason"]), expected={int(k): float(g) for k, g in r["expected"].items()},
+                hold=int(r["hold"]), off=int(r["off"]), probed=bool(r["probed"]), epoch=int(r["epoch"]))

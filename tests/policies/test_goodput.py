@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies import GoodputPolicy
+from policies import DecisionKind, GoodputPolicy
 from policies._cost import CostModel
 from telemetry.records import AcceptanceWindow, Bucket, CostWindow, Stat
 
@@ -41,8 +41,8 @@ def test_cells_with_slope_counts_cells_seen_at_two_ks() -> None:
 
 def test_new_cell_borrows_the_shared_slope() -> None:
     b = Bucket("t1", "d1", "code", 4, "<=512")
-    assert "cost probe" not in _fed(slope_cells=2).decide(b).reason
-    assert "cost probe" in _fed(slope_cells=99).decide(b).reason  # nothing to borrow from: probe
+    assert _fed(slope_cells=2).decide(b).kind is not DecisionKind.PROBE
+    assert _fed(slope_cells=99).decide(b).kind is DecisionKind.PROBE  # nothing to borrow from: probe
 
 
 def test_without_exploration_the_incumbent_is_returned_not_the_probe() -> None:
@@ -51,16 +51,16 @@ def test_without_exploration_the_incumbent_is_returned_not_the_probe() -> None:
     p = _fed(slope_cells=99)
     p.observe(_cost(8, 3, 0.03 * 1.5))  # a cell seen at k = 3 only: probed at a second k (1)
     probe = p.decide(b)
-    assert probe.exploring and "cost probe" in probe.reason
+    assert probe.exploring and probe.kind is DecisionKind.PROBE
     quiet = p.decide(b, explore=False)
-    assert not quiet.exploring and quiet.k != probe.k
+    assert not quiet.exploring and quiet.kind is DecisionKind.BEST and quiet.k != probe.k
     assert p.decide(b).k == probe.k  # the probe is still what this epoch serves to traffic
 
 
 def test_cell_beyond_the_measured_batches_is_probed() -> None:
     # Batches 1 and 4 cannot say whether a cost is fixed or per row; batch 64 is measured, not extrapolated.
     b = Bucket("t1", "d1", "code", 64, "<=512")
-    assert "cost probe" in _fed(slope_cells=2, known=(1, 4), new=64).decide(b).reason
+    assert _fed(slope_cells=2, known=(1, 4), new=64).decide(b).kind is DecisionKind.PROBE
 
 
 # Seconds per round (draft, verify, other) measured on the reference engine (bench/results/engine.json, sample
@@ -73,7 +73,7 @@ ENGINE_MS = {(1, 0): (0.0, 2.00, 0.04), (1, 3): (1.35, 2.01, 0.044), (4, 0): (0.
 def test_cost_model_extrapolates_to_a_larger_batch() -> None:
     # Fitted on batches 1 and 4 (two ks each) and batch 64 seen at k = 3 only, the model must put plain
     # decoding at batch 64 and both ks at the unseen batch 16 near what the engine measured. A model linear in
-    # log batch put batch-64 plain rounds at a third of their cost and turned speculation off where it wins.
+    # log batch puts batch-64 plain rounds at a third of their cost and turns speculation off where it wins.
     m = CostModel(k_max=8)
     for (b, k), (d, v, o) in ENGINE_MS.items():
         if b in (1, 4) or (b, k) == (64, 3):
@@ -106,8 +106,52 @@ def test_speculation_is_turned_off_only_after_measuring_k0_in_the_cell() -> None
     for _ in range(40):  # the draft stops agreeing: nothing is accepted any more
         p.observe(_acc("code", 2, (500, 0, 0)))
     d = p.decide(b)
-    assert (d.k, d.exploring) == (0, True) and "probe k=0" in d.reason  # measured first, not switched
+    assert (d.k, d.exploring, d.kind) == (0, True, DecisionKind.PROBE_OFF)  # measured first, not switched
     p.observe(_cost(4, 0, 0.02))
     p.observe(_acc("code", 2, (500, 0, 0)))
     d = p.decide(b)
-    assert d.k == 0 and not d.exploring and d.reason.startswith("switch")
+    assert (d.k, d.exploring, d.kind) == (0, False, DecisionKind.OFF)
+
+
+def _turned_off(hold_decisions: int, probe_every: int) -> tuple[GoodputPolicy, Bucket]:
+    """A cell whose draft stopped agreeing, after the k = 0 probe: the next decision turns speculation off."""
+    p = GoodputPolicy(k_max=2, seed=0, hold_decisions=hold_decisions, probe_every=probe_every)
+    for bb in (1, 16):
+        base = 0.01 * (1 + bb / 4)
+        p.observe(_cost(bb, 0, base))
+        p.observe(_cost(bb, 2, base * 2.0))
+    b = Bucket("t1", "d1", "code", 4, "<=512")
+    p.observe(_acc("code", 2, (0, 0, 500)))
+    p.observe(_cost(4, 2, 0.02 * 2.0))
+    assert p.decide(b).kind is DecisionKind.FIRST
+    for _ in range(40):
+        p.observe(_acc("code", 2, (500, 0, 0)))
+    assert p.decide(b).kind is DecisionKind.PROBE_OFF
+    p.observe(_cost(4, 0, 0.02))
+    return p, b
+
+
+def test_an_off_cell_holds_then_is_reprobed() -> None:
+    p, b = _turned_off(hold_decisions=1, probe_every=4)
+    kinds = []
+    for _ in range(4):
+        p.observe(_acc("code", 2, (500, 0, 0)))  # a new window: a new decision for the cell
+        d = p.decide(b)
+        kinds.append((d.kind, d.k))
+        if d.kind is DecisionKind.REPROBE:
+            assert p.decide(b) == d  # the same epoch serves the same choice
+    # Served off by the k = 0 probe, the switch and the hold: the fourth decision off serves speculation once,
+    # and the next one is off again (the re-probe measured nothing that moved the mean).
+    assert kinds == [(DecisionKind.OFF, 0), (DecisionKind.HOLD, 0), (DecisionKind.REPROBE, 1), (DecisionKind.BEST, 0)]
+
+
+def test_snapshot_keeps_the_rule_that_chose() -> None:
+    p, b = _turned_off(hold_decisions=3, probe_every=50)
+    p.observe(_acc("code", 2, (500, 0, 0)))
+    assert p.decide(b).kind is DecisionKind.OFF
+    q = GoodputPolicy(k_max=2, seed=1, hold_decisions=3, probe_every=50)
+    q.restore(p.snapshot())
+    assert q.decide(b) == p.decide(b)  # cached for this epoch, kind and reason included
+    p.observe(_acc("code", 2, (500, 0, 0)))
+    q.observe(_acc("code", 2, (500, 0, 0)))
+    assert q.decide(b) == p.decide(b) and p.decide(b).kind is DecisionKind.HOLD
