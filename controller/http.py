@@ -1,4 +1,4 @@
-"""The operator's HTTP endpoint of a sidecar (stdlib ``ThreadingHTTPServer``; JSON in and out).
+"""The operator's HTTP endpoint of a sidecar (stdlib ``http.server`` on a bounded pool; JSON in and out).
 
 =========================  ===========================================================================
 ``GET /health``            liveness and counters (windows ingested, rejections, last error)
@@ -13,28 +13,63 @@
 
 Bad input gets ``400`` with ``{"error": ..., "reason": ...}`` and is counted in
 ``spectune_http_bad_requests_total{reason}``; nothing an operator sends can stop the sidecar.
+
+Serving (see :class:`HttpConfig`): one thread accepts connections and watches idle ones with a selector; a
+connection goes to a bounded pool of workers only when a request arrives on it, and comes back to the selector
+after the response (keep-alive). An idle connection therefore holds no thread and is closed after
+``idle_timeout_s``; a request that stalls half-sent is cut after ``request_timeout_s``; when every worker is busy
+and ``max_queued`` connections already wait, a new request gets ``503`` at once. A client that goes away
+mid-response is counted in ``spectune_http_client_disconnects_total``, not as a sidecar error.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import queue
+import selectors
+import socket
 import threading
-from dataclasses import asdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 
 from controller.sidecar import Sidecar
 from telemetry.errors import SpectuneError
-from telemetry.records import RecordError
+from telemetry.records import RecordError, parse_bucket_key
 from telemetry.transport import DeadLetter, RedisStreamsTransport
 
 MAX_BODY_BYTES = 16 << 10  # a pin request is a few hundred bytes
 MAX_LIMIT = 1000  # history / dead-letter pages
 PAYLOAD_PREVIEW = 200  # bytes of a dead letter's payload shown
+SWEEP_S = 0.1  # how often the accept thread closes connections idle past their deadline
+BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                 b'Content-Length: 62\r\n\r\n{"error": "too many requests; retry", "reason": "overloaded"}\n')
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """How the operator endpoint serves: bounded threads, timeouts, a real listen backlog."""
+
+    workers: int = 8  # threads answering requests; the endpoint is for operators and scrapers, not traffic
+    idle_timeout_s: float = 5.0  # a keep-alive connection with no request this long is closed
+    request_timeout_s: float = 10.0  # a request (headers and body) or a response write may take this long
+    max_queued: int = 256  # connections with a request waiting for a worker; past this: 503 at once
+    backlog: int = 128  # listen(2) backlog: a burst of 20+ clients must not wait for SYN retries (was 5)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.max_queued < 1 or self.backlog < 1:
+            raise ValueError("HttpConfig needs workers, max_queued and backlog >= 1")
+        if self.idle_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("HttpConfig timeouts must be > 0")
 
 
 class BadRequest(Exception):
@@ -62,8 +97,16 @@ def recent_dead_letters(sidecar: Sidecar, limit: int) -> list[DeadLetter]:
 
 
 class _Handler(BaseHTTPRequestHandler):
+    """One connection's request handler; the server calls :meth:`handle_one_request` once per request."""
+
     server: _Server
     protocol_version = "HTTP/1.1"
+
+    def __init__(self, sock: socket.socket, addr: Any, server: _Server) -> None:
+        self.request, self.client_address, self.server = sock, addr, server
+        self.setup()
+        sock.settimeout(server.config.request_timeout_s)  # a read or write stalls at most this long
+        self.close_connection = True
 
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: the sidecar's output is its own, not an access log."""
@@ -73,8 +116,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:  # the client went away (reset, broken pipe, write timeout): its loss, not our error
+            self.close_connection = True
+            self.server.sidecar.metrics.on_http_client_gone()
 
     def _json(self, code: int, obj: Any) -> None:
         self._send(code, json.dumps(obj, sort_keys=True).encode() + b"\n")
@@ -87,7 +134,13 @@ class _Handler(BaseHTTPRequestHandler):
         except BadRequest as e:
             sc.metrics.http_bad_requests.labels(e.reason).inc()
             self._json(400, {"error": str(e), "reason": e.reason})
-        except (SpectuneError, SQLAlchemyError) as e:
+        except RecordError as e:  # input the records layer refused, wherever it was checked
+            sc.metrics.http_bad_requests.labels(e.reason).inc()
+            self._json(400, {"error": str(e), "reason": e.reason})
+        except OSError:  # reading the body from a client that went away
+            self.close_connection = True
+            sc.metrics.on_http_client_gone()
+        except (SpectuneError, SQLAlchemyError, RedisError) as e:
             self._json(503, {"error": f"the sidecar's store or transport failed: {e}", "reason": "unavailable"})
         except Exception as e:  # an endpoint bug answers 500, never kills the server thread silently
             sc._error(e)
@@ -126,6 +179,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._pin()
         if method == "DELETE" and path.startswith("/pins/"):
             key = unquote(path[len("/pins/"):])
+            parse_bucket_key(key)  # RecordError -> 400: no key that could not be pinned reaches the database
             if not sc.store.unpin(key, who="http"):
                 return self._json(404, {"error": f"no active pin on {key!r}", "reason": "no_pin"})
             table = sc.publish_now(f"unpin {key}")
@@ -153,13 +207,14 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest("bad_length", f"send a JSON body of 1..{MAX_BODY_BYTES} bytes")
         try:
             body = json.loads(self.rfile.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise BadRequest("bad_json", f"body is not JSON: {e}") from e
+        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an int past 4300 digits, nesting too deep
+            raise BadRequest("bad_json", f"body is not JSON this endpoint reads: {str(e)[:200]}") from e
         if not isinstance(body, dict):
             raise BadRequest("bad_json", 'send an object: {"bucket": "t|d|type|batch|ctx", "k": 0, "reason": "..."}')
         bucket, k, reason = body.get("bucket"), body.get("k"), body.get("reason", "")
         if not isinstance(bucket, str):
             raise BadRequest("bad_bucket_key", '"bucket" must be a string like "target-v1|draft-v1|code|*|*"')
+        parse_bucket_key(bucket)  # the same rules as tables on the wire (RecordError -> 400)
         if not isinstance(reason, str):
             raise BadRequest("bad_type", '"reason" must be a string')
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= sc.policy.k_max:
@@ -172,12 +227,153 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, {"pinned": asdict(pin), "policy_version": table.version if table else sc.version})
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+class _Conn:
+    """A client connection between requests: its handler (buffered reader) and when it is closed if idle."""
 
-    def __init__(self, addr: tuple[str, int], sidecar: Sidecar) -> None:
+    def __init__(self, sock: socket.socket, addr: Any, server: _Server) -> None:
+        self.sock = sock
+        self.timeout_s = server.config.request_timeout_s
+        self.handler = _Handler(sock, addr, server)
+        self.deadline = time.monotonic() + server.config.idle_timeout_s
+
+    def buffered(self) -> bool:
+        """Whether a next request is already readable (pipelined into the buffer, or on the socket), without
+        blocking: the selector cannot see bytes the reader has buffered."""
+        try:
+            self.sock.setblocking(False)
+            return bool(cast(io.BufferedReader, self.handler.rfile).peek(1))
+        except OSError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.settimeout(self.timeout_s)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.handler.finish()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class _Server(HTTPServer):
+    """Accepts on one thread, watches idle connections with a selector, answers on a bounded pool."""
+
+    def __init__(self, addr: tuple[str, int], sidecar: Sidecar, config: HttpConfig) -> None:
+        self.request_queue_size = config.backlog  # read by server_activate(): listen(backlog)
         super().__init__(addr, _Handler)
         self.sidecar = sidecar
+        self.config = config
+        self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="spectune-http")
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._back: queue.SimpleQueue[_Conn] = queue.SimpleQueue()  # connections workers hand back
+        self._waiting = 0  # connections submitted to the pool and not yet picked up by a worker
+        self._count_lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def serve(self) -> None:
+        """The accept / idle-watch loop (the server thread)."""
+        self.socket.setblocking(False)
+        self._sel.register(self.socket, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        next_sweep = time.monotonic() + SWEEP_S
+        while not self._stop.is_set():
+            for key, _ in self._sel.select(SWEEP_S):
+                if key.fileobj is self.socket:
+                    self._accept()
+                elif key.fileobj is self._wake_r:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                else:
+                    self._sel.unregister(key.fileobj)
+                    self._dispatch(key.data)
+            while True:
+                try:
+                    self._watch(self._back.get_nowait())
+                except queue.Empty:
+                    break
+            now = time.monotonic()
+            if now >= next_sweep:
+                next_sweep = now + SWEEP_S
+                for key in list(self._sel.get_map().values()):
+                    if isinstance(key.data, _Conn) and key.data.deadline <= now:
+                        self._sel.unregister(key.fileobj)
+                        key.data.close()  # idle past idle_timeout_s
+        for key in list(self._sel.get_map().values()):
+            if isinstance(key.data, _Conn):
+                key.data.close()
+        self._sel.close()
+
+    def _accept(self) -> None:
+        for _ in range(self.config.backlog):  # drain a burst in one wake-up
+            try:
+                sock, addr = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. EMFILE: leave it in the backlog, try again on the next loop
+                return
+            try:
+                self._watch(_Conn(sock, addr, self))
+            except OSError:
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def _watch(self, conn: _Conn) -> None:
+        self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _dispatch(self, conn: _Conn) -> None:
+        with self._count_lock:
+            full = self._waiting >= self.config.max_queued
+            if not full:
+                self._waiting += 1
+        if full:
+            with contextlib.suppress(OSError):
+                conn.sock.settimeout(0.1)
+                conn.sock.sendall(BUSY_RESPONSE)
+            self.sidecar.metrics.on_http_overloaded()
+            conn.close()
+            return
+        self._pool.submit(self._serve_one, conn)
+
+    def _serve_one(self, conn: _Conn) -> None:
+        """A worker: answer the requests that are readable now, then hand the connection back (or close it)."""
+        with self._count_lock:
+            self._waiting -= 1
+        h = conn.handler
+        try:
+            while True:
+                h.close_connection = True
+                h.handle_one_request()  # sets close_connection = False for a keep-alive request
+                if h.close_connection or self._stop.is_set():
+                    conn.close()
+                    return
+                h.wfile.flush()
+                if not conn.buffered():
+                    break
+        except OSError:  # reset, broken pipe, or request_timeout_s passed mid-request: the client's problem
+            self.sidecar.metrics.on_http_client_gone()
+            conn.close()
+            return
+        except Exception as e:  # never a traceback on stderr; the endpoint's own errors answer 500 in _dispatch
+            self.sidecar._error(e)
+            conn.close()
+            return
+        conn.deadline = time.monotonic() + self.config.idle_timeout_s
+        self._back.put(conn)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.server_close()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 def _limit(query: dict[str, list[str]], default: int) -> int:
@@ -197,20 +393,27 @@ class OperatorServer:
     Args:
         sidecar: the sidecar it reports on and pins through.
         host, port: where to listen (port 0 picks a free one; see :attr:`port`).
+        config: pool size, timeouts and backlog (:class:`HttpConfig`).
     """
 
-    def __init__(self, sidecar: Sidecar, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, sidecar: Sidecar, host: str = "127.0.0.1", port: int = 0,
+                 config: HttpConfig | None = None) -> None:
+        self.config = config or HttpConfig()
         try:
-            self._server = _Server((host, port), sidecar)
+            self._server = _Server((host, port), sidecar, self.config)
         except OSError as e:
             raise SpectuneError(
                 f"cannot listen on {host}:{port} ({e}); choose another --http-port or stop what uses it"
             ) from e
-        self._thread = threading.Thread(target=self._server.serve_forever, name="spectune-http", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve, name="spectune-http", daemon=True)
 
     @property
     def port(self) -> int:
         return int(self._server.server_address[1])
+
+    @property
+    def backlog(self) -> int:
+        return self._server.request_queue_size
 
     @property
     def url(self) -> str:
@@ -222,6 +425,6 @@ class OperatorServer:
         return self
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.stop()
         self._thread.join(5)
+        self._server.close()

@@ -80,6 +80,12 @@ class SidecarMetrics:
         self.http_bad_requests = Counter(
             "spectune_http_bad_requests", "Operator HTTP requests refused with 400, by reason.", ["reason"],
             registry=r)
+        self.http_client_disconnects = Counter(
+            "spectune_http_client_disconnects",
+            "Operator HTTP connections the client reset or abandoned mid-request (not sidecar errors).", registry=r)
+        self.http_overloaded = Counter(
+            "spectune_http_overloaded", "Operator HTTP requests answered 503 because every worker was busy.",
+            registry=r)
         # label tuple -> [rows that drafted, drafted, accepted, emitted]: the gauges are ratios of these totals
         self._totals: dict[tuple[str, ...], list[int]] = {}
 
@@ -111,6 +117,12 @@ class SidecarMetrics:
     def on_rejected(self, reason: str, n: int = 1) -> None:
         if n > 0:
             self.records_rejected.labels(reason).inc(n)
+
+    def on_http_overloaded(self) -> None:
+        self.http_overloaded.inc()
+
+    def on_http_client_gone(self) -> None:
+        self.http_client_disconnects.inc()
 
     def on_version_ahead(self) -> None:
         self.policy_version_ahead.inc()

@@ -1,0 +1,135 @@
+"""The operator endpoint under hostile input and abusive clients (issue 14 item 4), over real sockets."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import quote
+
+import pytest
+
+from controller.http import HttpConfig, OperatorServer
+from controller.publish import CallbackPublisher
+from controller.sidecar import Sidecar, SidecarConfig
+from policies import REGISTRY
+from telemetry.ingest import ConsumerConfig
+from telemetry.store import Store
+from telemetry.transport import InProcessTransport
+
+CFG = HttpConfig(workers=4, idle_timeout_s=0.5, request_timeout_s=2.0)
+
+
+@pytest.fixture
+def served(sqlite_url: str) -> Iterator[tuple[OperatorServer, Sidecar]]:
+    store = Store(sqlite_url, auto_upgrade=True)
+    sc = Sidecar(SidecarConfig(consumer=ConsumerConfig(consumer="c", block_ms=10)), InProcessTransport(), store,
+                 REGISTRY["goodput"](k_max=8), CallbackPublisher())
+    srv = OperatorServer(sc, config=CFG).start()
+    yield srv, sc
+    srv.close()
+    store.close()
+
+
+def request(srv: OperatorServer, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        s.sendall(head.encode() + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, data.partition(b"\r\n\r\n")[2]
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b'{"bucket": "*|*|*|*|*", "k": ' + b"7" * 5000 + b"}", "bad_json"),  # past int's 4300-digit limit
+        (b"[" * 5000 + b"]" * 5000, "bad_json"),  # deeper than the decoder's recursion limit
+        (json.dumps({"bucket": "t|d|co\x00de|8|*", "k": 1}).encode(), "bad_bucket_key"),
+        (json.dumps({"bucket": "*|*|*|\u00b2|*", "k": 1}).encode(), "bad_bucket_key"),
+        (json.dumps({"bucket": "*|*|*|\u0663|*", "k": 1}).encode(), "bad_bucket_key"),
+    ],
+)
+def test_hostile_pins_are_400(served: tuple[OperatorServer, Sidecar], body: bytes, reason: str) -> None:
+    srv, sc = served
+    code, payload = request(srv, "POST", "/pins", body)
+    assert code == 400 and json.loads(payload)["reason"] == reason
+    assert sc.store.active_pins() == [] and sc.errors == 0
+
+
+def test_unpinning_a_hostile_key_is_400(served: tuple[OperatorServer, Sidecar]) -> None:
+    srv, _ = served
+    code, payload = request(srv, "DELETE", "/pins/" + quote("t|d|x\x00|8|*", safe=""))
+    assert code == 400 and json.loads(payload)["reason"] == "bad_bucket_key"
+
+
+def test_idle_connections_are_closed_and_hold_no_thread(served: tuple[OperatorServer, Sidecar]) -> None:
+    srv, _ = served
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(50)]
+    time.sleep(0.2)
+    assert threading.active_count() <= before + CFG.workers  # a bounded pool, not a thread per connection
+    t0 = time.monotonic()
+    assert request(srv, "GET", "/health")[0] == 200  # served while 50 idle connections sit there
+    assert time.monotonic() - t0 < CFG.idle_timeout_s
+    for s in idle:
+        assert s.recv(1) == b""  # closed by the server after idle_timeout_s
+        s.close()
+    assert time.monotonic() - t0 < CFG.idle_timeout_s + 2
+
+
+def test_keep_alive_serves_several_requests_on_one_connection(served: tuple[OperatorServer, Sidecar]) -> None:
+    srv, _ = served
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        for _ in range(3):
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += s.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            n = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+            while len(body) < n:
+                body += s.recv(65536)
+            assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["status"] == "ok"
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /pins HTTP/1.1\r\nHost: x\r\n\r\n")  # pipelined
+        data = b""
+        deadline = time.monotonic() + 3
+        while data.count(b"HTTP/1.1 200") < 2 and time.monotonic() < deadline:
+            data += s.recv(65536)
+        assert data.count(b"HTTP/1.1 200") == 2
+
+
+def test_clients_that_vanish_are_not_sidecar_errors(served: tuple[OperatorServer, Sidecar],
+                                                    capfd: pytest.CaptureFixture[str]) -> None:
+    srv, sc = served
+    for path in ("/metrics", "/health", "/pins", "/policy/history"):
+        for _ in range(10):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()  # RST: the server's read or write meets a reset connection
+    time.sleep(0.5)
+    assert request(srv, "GET", "/health")[0] == 200
+    assert sc.errors == 0 and sc.last_error is None
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_the_listen_backlog_takes_a_burst(served: tuple[OperatorServer, Sidecar]) -> None:
+    srv, _ = served
+    assert srv.backlog >= 64
+    results: list[int] = []
+
+    def one() -> None:
+        results.append(request(srv, "GET", "/health")[0])
+
+    threads = [threading.Thread(target=one) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == [200] * 40
