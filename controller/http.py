@@ -224,7 +224,9 @@ class _Handler(BaseHTTPRequestHandler):
         except RecordError as e:
             raise BadRequest(e.reason, str(e)) from e
         table = sc.publish_now(f"pin {bucket}={k}")
-        self._json(200, {"pinned": asdict(pin), "policy_version": table.version if table else sc.version})
+        # "published": false says the pin is stored but no engine has it yet (the sidecar keeps retrying).
+        self._json(200, {"pinned": asdict(pin), "policy_version": table.version if table else sc.version,
+                         "published": sc.published})
 
 
 class _Conn:

@@ -451,6 +451,11 @@ class Sidecar:
     def version(self) -> int:
         return self._version
 
+    @property
+    def published(self) -> bool:
+        """Whether the engines' key holds this sidecar's newest table (as of the last attempt)."""
+        return self._unpublished is None and self._publisher_ok
+
     def _error(self, e: BaseException) -> None:
         self.errors += 1
         self.last_error = f"{type(e).__name__}: {e}" if not isinstance(e, SpectuneError) else str(e)

@@ -193,3 +193,42 @@ def _batch(seq: int, dropped_before: int = 0):  # type: ignore[no-untyped-def]
 def feed_one(t: InProcessTransport, seq: int, dropped_before: int = 0) -> str:
     t.publish(encode_window_batch(_batch(seq, dropped_before)))
     return f"{seq}-0" if not t.dead_letters() else ""
+
+
+def test_the_sidecar_refuses_to_publish_a_table_over_the_cap(sqlite_url: str, redis_url: str, redis_prefix: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import telemetry.records
+
+    monkeypatch.setattr(telemetry.records, "MAX_TABLE_ENTRIES", 5)  # the synthetic feed makes 60 buckets
+    t = InProcessTransport()
+    with Store(sqlite_url, auto_upgrade=True) as store:
+        sc = make(t, store, RedisPublisher(redis_url, redis_prefix))
+        feed(t, 300)
+        sc.drain()
+        assert sc.publish_now("too big") is None and sc.version == 0
+        assert store.latest_policy_version() is None
+        assert sc.rejected.get("table_too_large", 0) >= 1 and "table_too_large" in (sc.last_error or "")
+        assert redis.Redis.from_url(redis_url).get(f"{redis_prefix}:policy") is None
+
+
+def test_a_pin_says_when_it_reached_no_engine(sqlite_url: str) -> None:
+    import json
+    import urllib.request
+
+    from controller.http import OperatorServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"  # nothing listens there once the socket closes
+    with Store(sqlite_url, auto_upgrade=True) as store:
+        sc = make(InProcessTransport(), store, RedisPublisher(dead, "p"))
+        srv = OperatorServer(sc).start()
+        try:
+            req = urllib.request.Request(srv.url + "/pins", method="POST",
+                                         data=json.dumps({"bucket": "*|*|*|*|*", "k": 2}).encode())
+            with urllib.request.urlopen(req, timeout=10) as r:
+                res = json.loads(r.read())
+        finally:
+            srv.close()
+        assert res["policy_version"] == 1 and res["published"] is False
+        assert sc.health()["status"] == "degraded" and sc.health()["unpublished_version"] == 1
