@@ -93,8 +93,9 @@ def _acc(rtype: str, k: int, hist: tuple[int, ...]) -> AcceptanceWindow:
                             k=k, rows=rows, drafted=rows * k, accepted=acc, emitted=acc + rows, hist=hist)
 
 
-def test_speculation_is_turned_off_only_after_measuring_k0_in_the_cell() -> None:
-    p = GoodputPolicy(k_max=2, seed=0, hold_decisions=0)
+def _turned_off(hold_decisions: int = 0, probe_every: int = 50) -> tuple[GoodputPolicy, Bucket]:
+    """A cell whose draft stopped agreeing: k = 0 is measured there first, so the next decision may turn it off."""
+    p = GoodputPolicy(k_max=2, seed=0, hold_decisions=hold_decisions, probe_every=probe_every)
     for bb in (1, 16):  # the shared cost model knows k = 0 and k = 2 elsewhere: k = 2 costs twice k = 0
         base = 0.01 * (1 + bb / 4)
         p.observe(_cost(bb, 0, base))
@@ -102,33 +103,21 @@ def test_speculation_is_turned_off_only_after_measuring_k0_in_the_cell() -> None
     b = Bucket("t1", "d1", "code", 4, "<=512")
     p.observe(_acc("code", 2, (0, 0, 500)))  # every draft accepted: k = 2 wins
     p.observe(_cost(4, 2, 0.02 * 2.0))
-    assert p.decide(b).k == 2
+    d = p.decide(b)
+    assert (d.k, d.kind) == (2, DecisionKind.FIRST)
     for _ in range(40):  # the draft stops agreeing: nothing is accepted any more
         p.observe(_acc("code", 2, (500, 0, 0)))
     d = p.decide(b)
     assert (d.k, d.exploring, d.kind) == (0, True, DecisionKind.PROBE_OFF)  # measured first, not switched
     p.observe(_cost(4, 0, 0.02))
+    return p, b
+
+
+def test_speculation_is_turned_off_only_after_measuring_k0_in_the_cell() -> None:
+    p, b = _turned_off()
     p.observe(_acc("code", 2, (500, 0, 0)))
     d = p.decide(b)
     assert (d.k, d.exploring, d.kind) == (0, False, DecisionKind.OFF)
-
-
-def _turned_off(hold_decisions: int, probe_every: int) -> tuple[GoodputPolicy, Bucket]:
-    """A cell whose draft stopped agreeing, after the k = 0 probe: the next decision turns speculation off."""
-    p = GoodputPolicy(k_max=2, seed=0, hold_decisions=hold_decisions, probe_every=probe_every)
-    for bb in (1, 16):
-        base = 0.01 * (1 + bb / 4)
-        p.observe(_cost(bb, 0, base))
-        p.observe(_cost(bb, 2, base * 2.0))
-    b = Bucket("t1", "d1", "code", 4, "<=512")
-    p.observe(_acc("code", 2, (0, 0, 500)))
-    p.observe(_cost(4, 2, 0.02 * 2.0))
-    assert p.decide(b).kind is DecisionKind.FIRST
-    for _ in range(40):
-        p.observe(_acc("code", 2, (500, 0, 0)))
-    assert p.decide(b).kind is DecisionKind.PROBE_OFF
-    p.observe(_cost(4, 0, 0.02))
-    return p, b
 
 
 def test_an_off_cell_holds_then_is_reprobed() -> None:
