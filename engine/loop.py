@@ -242,7 +242,8 @@ class SpecEngine:
         draft_tokens, draft_probs = self._draft(live, rows_k, kmax, temps, top_p)
         clock.mark()  # --- end of drafting
 
-        # Verify: each row feeds its last token and its k drafts; shorter rows are padded to kmax + 1.
+        # Verify: each row feeds its last token and its k drafts. The target's token-wise work runs on the
+        # sum(k_i + 1) real tokens (packed); only attention sees rows padded to kmax + 1.
         last = torch.tensor([self._row(i).tokens[-1] for i in live], dtype=torch.long, device=self.device)
         verify_in = torch.cat([last[:, None], draft_tokens], dim=1)  # [B, kmax + 1]
         rows_cpu = torch.tensor(live, dtype=torch.long)
@@ -278,7 +279,7 @@ class SpecEngine:
             round_index=self.round_index - 1,
             batch_size=bsz,
             max_k=kmax,
-            tokens_verified=bsz * (kmax + 1),
+            tokens_verified=sum(rows_k) + bsz,  # packed: sum over rows of k + 1
             draft_s=spans[2],
             verify_s=spans[3],
             other_s=other,
@@ -359,14 +360,20 @@ class SpecEngine:
         last_idx = torch.tensor([len(s) - 1 for s in seqs], device=self.device)
         step_logits = logits[torch.arange(len(rows), device=self.device), last_idx][:, None]  # [S, 1, V]
         rows_cpu = torch.tensor(rows, dtype=torch.long)
-        t_sel, p_sel = temps[sel_t], top_p[sel_t]
+        ks = torch.tensor([rows_k[j] for j in sel], dtype=torch.long)  # [S] CPU
+        active = torch.arange(len(sel))  # [S_j] positions in sel of the rows drafting at this step
+        d = torch.zeros(0, dtype=torch.long, device=self.device)
         for step in range(kmax):
-            q = process_logits(step_logits, t_sel, p_sel)[:, 0]  # [S, V]
-            d = sample(q, self.gen)  # [S]
-            tokens[sel_t, step] = d
-            probs[sel_t, step] = q
-            if step + 1 < kmax:
-                step_logits = self.draft.forward_cached(d[:, None], self.d_cache, rows_cpu)
+            if step > 0:
+                # Step j runs only the rows still drafting (k > j): a row's k decides what its drafts cost.
+                still = ks[active] > step  # [S_{j-1}] which of last step's rows go on
+                active, d = active[still], d[still.to(self.device)]
+                step_logits = self.draft.forward_cached(d[:, None], self.d_cache, rows_cpu[active])
+            idx = sel_t[active.to(self.device)]  # [S_j] positions in the batch
+            q = process_logits(step_logits, temps[idx], top_p[idx])[:, 0]  # [S_j, V]
+            d = sample(q, self.gen)  # [S_j]
+            tokens[idx, step] = d
+            probs[idx, step] = q
         return tokens, probs
 
     def _append(self, s: _Row, new: list[int]) -> int:

@@ -182,6 +182,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+@dataclass(frozen=True)
+class CachedAttention:
+    """What every layer of one cached forward shares: positions, mask, cache write offsets, packing.
+
+    Token-wise work (projections, MLP) runs on the ``N`` real tokens only (packed verification, as in a
+    flattened-batch engine); attention keeps a padded per-row ``[R, H, T, D]`` layout, since its cost is the
+    KV read, not the few padded queries.
+    """
+
+    cos: torch.Tensor  # [R, 1, T, D/2] rotary tables at each token's absolute position
+    sin: torch.Tensor  # [R, 1, T, D/2]
+    mask: torch.Tensor  # [R, 1, T, end] additive float mask (0 visible, -inf hidden)
+    rows: torch.Tensor  # [R, 1] cache rows on the device
+    flat: torch.Tensor  # [R * H * T] offsets of the new keys/values in the cache viewed [B * H * L', D]
+    attend_len: int  # keys 0..attend_len-1 are read (the longest row after this forward)
+    row_span: tuple[int, int] | None  # (lo, hi) when the rows are a contiguous range of the cache: a view
+    padded_shape: tuple[int, int]  # (R, T)
+    real: torch.Tensor | None  # [N] flat indices of the real tokens in R * T; None when no row is padded
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, C]`` real tokens -> ``[R, T, C]`` with zeros at padding."""
+        r, t = self.padded_shape
+        if self.real is None:
+            return x.view(r, t, x.shape[-1])
+        out = x.new_zeros(r * t, x.shape[-1])
+        out.index_copy_(0, self.real, x)
+        return out.view(r, t, x.shape[-1])
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[R, T, C]`` -> ``[N, C]``, the real tokens in row-major order."""
+        flat = x.reshape(-1, x.shape[-1])
+        return flat if self.real is None else flat.index_select(0, self.real)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -194,39 +228,51 @@ class Block(nn.Module):
         self.w13 = Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)  # gate and up fused: one matmul
         self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache_kv: tuple[torch.Tensor, torch.Tensor] | None,
-        write_index: tuple[torch.Tensor, torch.Tensor] | None,
-        attend_len: int,
-        row_span: tuple[int, int] | None = None,
-    ) -> torch.Tensor:
-        # x: [B, T, C]
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training forward: causal attention over whole sequences.
+
+        Args:
+            x: ``[B, T, C]``.
+            cos, sin: ``[1, 1, T, D/2]``.
+        """
         b, t, c = x.shape
         qkv = self.wqkv(self.attn_norm(x)).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         qk = apply_rope(qkv[:2], cos, sin)  # [2, B, H, T, D]: one rotation for queries and keys
-        q, k, v = qk[0], qk[1], qkv[2]  # [B, H, T, D]
-        if cache_kv is not None and write_index is not None:
-            ck, cv = cache_kv
-            rows, flat = write_index  # rows: [R, 1]; flat: [R * H * T] offsets into the cache viewed [B*H*L', D]
-            # index_copy_ on a flat view is far cheaper than advanced-index assignment (one memcpy per vector).
-            ck.view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
-            cv.view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
-            if row_span is not None:  # the rows are a contiguous range of the cache: a view, no copy
-                lo, hi = row_span
-                k, v = ck[lo:hi, :, :attend_len], cv[lo:hi, :, :attend_len]
-            else:  # scattered rows (some slots empty or not drafting): gather only the used prefix
-                k, v = ck[rows[:, 0], :, :attend_len], cv[rows[:, 0], :, :attend_len]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.wo(y.transpose(1, 2).reshape(b, t, c))
-        gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
+        y = F.scaled_dot_product_attention(qk[0], qk[1], qkv[2], is_causal=True)
+        return self._mlp(x + self.wo(y.transpose(1, 2).reshape(b, t, c)))
+
+    def forward_cached(
+        self, x: torch.Tensor, ctx: CachedAttention, cache_kv: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """Decode-time forward over packed tokens, appending their keys and values to the cache.
+
+        Args:
+            x: ``[N, C]`` the real tokens of the forward, packed.
+        Returns:
+            ``[N, C]``.
+        """
+        c = x.shape[-1]
+        r, t = ctx.padded_shape
+        qkv = ctx.unpack(self.wqkv(self.attn_norm(x)))  # [R, T, 3C]: projections on real tokens only
+        qkv = qkv.view(r, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qk = apply_rope(qkv[:2], ctx.cos, ctx.sin)  # [2, R, H, T, D]
+        q, k, v = qk[0], qk[1], qkv[2]  # [R, H, T, D]
+        ck, cv = cache_kv
+        # index_copy_ on a flat view is far cheaper than advanced-index assignment (one memcpy per vector).
+        ck.view(-1, self.head_dim).index_copy_(0, ctx.flat, k.reshape(-1, self.head_dim))
+        cv.view(-1, self.head_dim).index_copy_(0, ctx.flat, v.reshape(-1, self.head_dim))
+        if ctx.row_span is not None:  # the rows are a contiguous range of the cache: a view, no copy
+            lo, hi = ctx.row_span
+            k, v = ck[lo:hi, :, : ctx.attend_len], cv[lo:hi, :, : ctx.attend_len]
+        else:  # scattered rows (some slots empty or not drafting): gather only the used prefix
+            k, v = ck[ctx.rows[:, 0], :, : ctx.attend_len], cv[ctx.rows[:, 0], :, : ctx.attend_len]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)  # [R, H, T, D]
+        y_packed = ctx.pack(y.transpose(1, 2).reshape(r, t, c))  # [N, C]
+        return self._mlp(x + self.wo(y_packed))
 
 
 class Transformer(nn.Module):
@@ -287,7 +333,7 @@ class Transformer(nn.Module):
         sin = self.rope_sin[:t].to(self.embed.weight.dtype)[None, None]
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, None, None, None, t)
+            x = layer(x, cos, sin)
         return self.head(self.norm(x))
 
     def forward_cached(
@@ -297,11 +343,13 @@ class Transformer(nn.Module):
         rows: torch.Tensor | None = None,
         real_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Append up to ``T`` tokens per row to the cache and return their logits (ragged rows supported).
+        """Append up to ``T`` tokens per row to the cache and return their logits (ragged rows, packed work).
 
         Row ``r`` appends ``real_lens[r]`` tokens at positions ``cache.lengths[r] + t``; its remaining
-        ``T - real_lens[r]`` entries are padding: their keys go to the cache's scratch slot (never attended to by
-        a real query) and their logits are meaningless. Afterwards each row's length grows by its real length.
+        ``T - real_lens[r]`` entries are padding. The embedding, every projection, the MLP and the head run on
+        the ``sum(real_lens)`` real tokens only, so a row with fewer tokens costs less (packed verification);
+        attention runs in a padded per-row layout, where padding keys go to the cache's scratch slot (never
+        attended to by a real query). Afterwards each row's length grows by its real length.
 
         Args:
             tokens: ``[R, T]`` int64 on the model's device.
@@ -309,7 +357,7 @@ class Transformer(nn.Module):
             rows: ``[R]`` int64 CPU row indices, or None for all rows in order.
             real_lens: ``[R]`` int64 CPU, ``1..T``; None means every row appends ``T``.
         Returns:
-            logits: ``[R, T, V]`` float32.
+            logits: ``[R, T, V]`` float32; zeros at padding.
         Raises:
             CacheCapacityError: a row would grow past the cache.
         """
@@ -319,7 +367,6 @@ class Transformer(nn.Module):
             rows = torch.arange(cache.batch_size)
         lo = int(rows[0])
         contiguous = bool((rows == torch.arange(lo, lo + r)).all())
-        span = (lo, lo + r) if contiguous else None
         if real_lens is None:
             real_lens = torch.full((r,), t, dtype=torch.long)
         starts = cache.lengths[rows]  # [R] CPU
@@ -338,25 +385,35 @@ class Transformer(nn.Module):
         pos = write_cpu.to(dev, non_blocking=True)  # [R, T] cache slot of each new token
         dtype = self.embed.weight.dtype
         rp = rope_pos.to(dev, non_blocking=True)
-        cos = self.rope_cos[rp].to(dtype)[:, None]  # [R, 1, T, D/2]
-        sin = self.rope_sin[rp].to(dtype)[:, None]
         # Key j is visible to query (r, i) iff j <= pos[r, i]: the cached prefix plus causality within the
         # new tokens. Padding queries sit at the scratch index; their outputs are discarded.
         key_pos = torch.arange(end, device=dev)
         visible = key_pos[None, None, :] <= pos[:, :, None]  # [R, T, end]
-        # An additive float mask: CPU SDPA kernels run it markedly faster than a boolean one at decode shapes.
-        mask = torch.zeros(visible.shape, dtype=dtype, device=dev).masked_fill_(~visible, float("-inf"))[:, None]
         # Flat write offsets into the cache viewed as [B * H * (capacity + 1), D], shared by every layer.
         n_h, slots = self.cfg.n_heads, cache.capacity + 1
         heads = torch.arange(n_h)[None, :, None]  # [1, H, 1]
         flat_cpu = (rows[:, None, None] * n_h + heads) * slots + write_cpu[:, None, :]  # [R, H, T]
-        flat = flat_cpu.reshape(-1).to(dev, non_blocking=True)
-        x = self.embed(tokens)
-        row_idx = rows.to(dev)[:, None]  # [R, 1]
+        real = None
+        if bool(pad.any()):
+            real = (~pad).reshape(-1).nonzero()[:, 0].to(dev, non_blocking=True)  # [N]
+        ctx = CachedAttention(
+            cos=self.rope_cos[rp].to(dtype)[:, None],
+            sin=self.rope_sin[rp].to(dtype)[:, None],
+            # An additive float mask: CPU SDPA kernels run it markedly faster than a boolean one at decode shapes.
+            mask=torch.zeros(visible.shape, dtype=dtype, device=dev).masked_fill_(~visible, float("-inf"))[:, None],
+            rows=rows.to(dev)[:, None],
+            flat=flat_cpu.reshape(-1).to(dev, non_blocking=True),
+            attend_len=end,
+            row_span=(lo, lo + r) if contiguous else None,
+            padded_shape=(r, t),
+            real=real,
+        )
+        x = self.embed(ctx.pack(tokens[:, :, None])[:, 0])  # [N, C]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, (cache.k[i], cache.v[i]), (row_idx, flat), end, span)
+            assert isinstance(layer, Block)
+            x = layer.forward_cached(x, ctx, (cache.k[i], cache.v[i]))
         cache.lengths[rows] = new_lens
-        return self.head(self.norm(x)).float()
+        return ctx.unpack(self.head(self.norm(x)).float())
 
 
 class CacheCapacityError(ValueError):
