@@ -1,17 +1,29 @@
-"""Load the shipped checkpoints onto the best device: CUDA with bf16 when a GPU is present, else the CPU (fp32)."""
+"""Load a profile's models onto the best device: CUDA with bf16 when a GPU is present, else the CPU (fp32).
+
+A profile (``small`` or ``xl``, see :mod:`engine.checkpoint`) names the target/draft pair; the draft is draft-v1
+in both, the target is target-v1 as trained (``small``) or widened function-preservingly (``xl``).
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from engine.checkpoint import (
+    CHECKPOINT_DIR,
+    DEFAULT_PROFILE,
+    DRAFT_V1,
+    MANIFEST,
+    TARGET_V1,
+    TARGET_V2,
+    get_profile,
+    load_checkpoint,
+)
 from engine.model import Transformer
-from engine.train import CHECKPOINT_DIR, MANIFEST, load_checkpoint
-
-TARGET_V1, TARGET_V2, DRAFT_V1 = "target-v1", "target-v2", "draft-v1"
 
 
 @dataclass(frozen=True)
@@ -38,13 +50,14 @@ def pick_device(device: str | None = None) -> DeviceChoice:
 
 @dataclass
 class Models:
-    """The shipped models on one device, with their version ids."""
+    """A profile's models on one device, with their version ids."""
 
-    target: Transformer  # target-v1
+    target: Transformer  # target-v1 in this profile (widened in xl)
     draft: Transformer  # draft-v1, distilled from target-v1
-    target_v2: Transformer | None  # the "model update"; None when not loaded
+    target_v2: Transformer | None  # the "model update" in this profile; None when not loaded
     device: DeviceChoice
-    manifest: dict
+    manifest: dict[str, Any]
+    profile: str = DEFAULT_PROFILE
 
     target_version: str = TARGET_V1
     draft_version: str = DRAFT_V1
@@ -52,10 +65,14 @@ class Models:
 
 
 def load_models(
-    checkpoint_dir: Path | str | None = None, device: str | None = None, with_update: bool = True
+    checkpoint_dir: Path | str | None = None,
+    device: str | None = None,
+    with_update: bool = True,
+    profile: str = DEFAULT_PROFILE,
 ) -> Models:
-    """Load target-v1, draft-v1 and (optionally) target-v2 from ``checkpoint_dir`` (default: shipped ones)."""
+    """Load ``profile``'s target-v1, draft-v1 and (optionally) target-v2 from ``checkpoint_dir`` (default: shipped)."""
     d = Path(checkpoint_dir) if checkpoint_dir else CHECKPOINT_DIR
+    prof = get_profile(profile)
     choice = pick_device(device)
     manifest_path = d / MANIFEST
     if not manifest_path.exists():
@@ -64,13 +81,16 @@ def load_models(
             "run `spectune train` to reproduce it"
         )
 
-    def load(name: str) -> Transformer:
-        return load_checkpoint(name, d).to(device=choice.device, dtype=choice.dtype).eval()
+    def target(name: str) -> Transformer:
+        return prof.build_target(name, d, choice.dtype).to(choice.device)
 
     return Models(
-        target=load(TARGET_V1),
-        draft=load(DRAFT_V1),
-        target_v2=load(TARGET_V2) if with_update else None,
+        target=target(TARGET_V1),
+        draft=load_checkpoint(DRAFT_V1, d).to(device=choice.device, dtype=choice.dtype).eval(),
+        target_v2=target(TARGET_V2) if with_update else None,
         device=choice,
         manifest=json.loads(manifest_path.read_text()),
+        profile=prof.name,
+        target_version=prof.target_version(TARGET_V1),
+        target_v2_version=prof.target_version(TARGET_V2),
     )

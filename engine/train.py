@@ -23,11 +23,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from engine.checkpoint import CHECKPOINT_DIR, MANIFEST, describe_profiles, load_checkpoint
 from engine.corpus import REQUEST_TYPES, Corpus, compression_ratio, held_out_prompts, load_corpus
-from engine.model import BOS_ID, EOS_ID, MODEL_PRESETS, ModelConfig, Transformer
+from engine.model import BOS_ID, EOS_ID, MODEL_PRESETS, Transformer
 
-CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
-MANIFEST = "manifest.json"
 RESUME_FREE_FIELDS = ("long_seq_len", "long_frac", "save_every")  # affect only steps not yet taken
 EVAL_WINDOWS = 48  # held-out windows per request type for bits per byte
 SAMPLE_BYTES = 384  # bytes sampled per prompt for the compression-ratio check
@@ -184,21 +183,6 @@ def honesty_check(model: Transformer, schema: int) -> dict[str, dict[str, float]
     return out
 
 
-def load_checkpoint(name: str, directory: Path = CHECKPOINT_DIR, dtype: torch.dtype = torch.float32) -> Transformer:
-    """Load a shipped checkpoint by name (``target-v1``, ``draft-v1``, ``target-v2``)."""
-    path = directory / f"{name}.safetensors"
-    meta_path = directory / MANIFEST
-    if not path.exists() or not meta_path.exists():
-        raise FileNotFoundError(
-            f"checkpoint {path} or {meta_path} is missing; run `spectune train` to reproduce the checkpoints"
-        )
-    meta = json.loads(meta_path.read_text())["checkpoints"][name]
-    model = Transformer(ModelConfig(**meta["config"]))
-    state = load_file(str(path))
-    model.load_state_dict({k: v.float() for k, v in state.items()})
-    return model.to(dtype).eval()
-
-
 def _state_path(work_dir: Path, name: str) -> Path:
     return work_dir / f"{name}.state.pt"
 
@@ -322,6 +306,8 @@ def train_all(
             corpora[cfg.structured_schema] = load_corpus(structured_schema=cfg.structured_schema)
         entry = train_stage(cfg, corpora[cfg.structured_schema], work_dir, out_dir, log)
         manifest = _merge_manifest(manifest_path, manifest, cfg.name, entry)
+    if "target-v1" in manifest["checkpoints"] and "derived" not in manifest:  # every stage was re-used
+        manifest = _merge_manifest(manifest_path, manifest, "target-v1", manifest["checkpoints"]["target-v1"])
     return manifest
 
 
@@ -338,6 +324,10 @@ def _merge_manifest(path: Path, base: dict, name: str, entry: dict[str, object])
         current = json.loads(path.read_text()) if path.exists() else {}
         merged = {**base, **{k: v for k, v in current.items() if k != "checkpoints"}}
         merged["checkpoints"] = {**base.get("checkpoints", {}), **current.get("checkpoints", {}), name: entry}
+        if "target-v1" in merged["checkpoints"]:
+            # The derived stand-ins (the xl profile's widened target) are built at load time, not shipped: the
+            # manifest says what they are, so nobody takes them for separately trained models.
+            merged["derived"] = describe_profiles(merged["checkpoints"]["target-v1"]["config"])
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(merged, indent=2) + "\n")
         tmp.replace(path)
