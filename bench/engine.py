@@ -1,15 +1,25 @@
 """`spectune bench engine`: tokens/s of plain vs speculative decoding on the reference engine, side by side.
 
-For every cell (mode, request type, batch size, context) one engine is filled with real held-out prompts of that
-type, prefilled once, and then decodes round after round with the draft length cycling through 0..8 in a
+Two profiles (``engine/checkpoint.py``): ``small`` (the trained 2.8M/0.4M pair) and ``xl`` (target-v1 widened 4x
+function-preservingly: the same acceptance at a 43M model's cost, 107x the draft).
+
+**Uniform cells** (one request type, batch size, context): one engine is filled with real held-out prompts of
+that type, prefilled once, and then decodes round after round with the draft length cycling through 0..8 in a
 shuffled order per repetition, so that every k sees the same rows, the same contexts and the same machine state.
 tokens/s of a k is its mean tokens emitted per round over its median round wall time.
-The main setting is exact speculative sampling at temperature 1.0 (``"mode": "sample"``); greedy is reported
-beside it.
 
-Besides the figures the issue asks for, each cell keeps the acceptance histogram and the mean seconds per round
+**Mixed cells** (batch 16 and 64, one third each of code, prose and structured): the same, with one k per request
+type. Verification is packed (the target's token-wise work is sum over rows of k + 1), so a batch can draft deep
+for structured rows while code rows run shallow or plain. The best uniform k is found by a sweep over
+``MIXED_GRID``; the best per-type triple by coordinate search over ``MIXED_GRID``^3 from it, on the same rows. The
+two winners are then measured again side by side (fresh interleaved rounds), and those figures are reported: the
+maximum over many noisy measurements is biased upward, a fresh paired measurement is not.
+
+The main setting is exact speculative sampling at temperature 1.0 (``"mode": "sample"``); greedy is reported
+beside it for the small profile. Each uniform cell keeps the acceptance histogram and the mean seconds per round
 (draft / verify / other) per k: the policy simulator is calibrated from them. ``version_acceptance`` holds the
-acceptance histograms of the updated target (target-v2) with the same draft, for drift and model-update studies.
+acceptance histograms of the updated target (target-v2) with the same draft, for drift and model-update studies
+(measured on the small profile: xl computes the same function, so its acceptance is the same).
 """
 
 from __future__ import annotations
@@ -18,7 +28,8 @@ import argparse
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,110 +39,173 @@ RESULTS = Path(__file__).resolve().parent / "results"
 K_VALUES = tuple(range(0, 9))  # 0 = plain decoding
 REQUEST_TYPES = ("code", "prose", "structured")
 CONTEXTS = {"short": 128, "long": 1024}  # prompt bytes; the models train on windows of 256 and then 1024
+MIXED_GRID = (0, 1, 2, 3, 4, 6, 8)  # ks searched per request type in mixed cells
+MIXED = "mixed"  # request_type of a mixed cell
+
+KConfig = dict[str, int]  # request type -> k for one measured configuration
+
+
+@dataclass(frozen=True)
+class Section:
+    """What one profile measures."""
+
+    profile: str
+    modes: tuple[str, ...]
+    batch_sizes: tuple[int, ...]
+    contexts: tuple[str, ...]
+    reps: dict[int, int]  # batch size -> repetitions of the k cycle
+    mixed_batches: tuple[int, ...] = ()  # batch sizes of the mixed cells (short context, sample mode)
+    mixed_reps: tuple[int, int, int] = (3, 2, 6)  # reps of (uniform sweep, each search probe, final pair)
+    mixed_passes: int = 2  # coordinate-search passes over the three request types
 
 
 @dataclass(frozen=True)
 class BenchPlan:
     """What one run measures."""
 
-    modes: tuple[str, ...]
-    batch_sizes: tuple[int, ...]
-    contexts: tuple[str, ...]
-    reps: dict[int, int]  # batch size -> repetitions of the k cycle
-    version_reps: int  # repetitions for the updated target's acceptance
+    sections: tuple[Section, ...]
+    version_reps: int  # repetitions for the updated target's acceptance (small profile)
     seed: int = 0
+    profiles: tuple[str, ...] = field(default=())  # run only these profiles (empty: all sections)
+
+    def selected(self) -> tuple[Section, ...]:
+        return tuple(s for s in self.sections if not self.profiles or s.profile in self.profiles)
 
 
 FULL = BenchPlan(
-    modes=("sample", "greedy"),
-    batch_sizes=(1, 4, 16, 64),
-    contexts=("short", "long"),
-    reps={1: 30, 4: 16, 16: 8, 64: 3},
+    sections=(
+        Section("small", ("sample", "greedy"), (1, 4, 16, 64), ("short", "long"), {1: 30, 4: 16, 16: 8, 64: 3},
+                mixed_batches=(16, 64)),
+        Section("xl", ("sample",), (1, 4, 16, 64), ("short", "long"), {1: 12, 4: 8, 16: 5, 64: 3},
+                mixed_batches=(16, 64)),
+    ),
     version_reps=16,
 )
-QUICK = BenchPlan(modes=("sample",), batch_sizes=(1, 16), contexts=("short",), reps={1: 3, 16: 2}, version_reps=2)
+QUICK = BenchPlan(
+    sections=(
+        Section("small", ("sample",), (1, 16), ("short",), {1: 3, 16: 2}),
+        Section("xl", ("sample",), (1, 64), ("short",), {1: 2, 64: 1}, mixed_batches=(64,), mixed_reps=(1, 1, 2),
+                mixed_passes=1),
+    ),
+    version_reps=2,
+)
+
+
+class _Rows:
+    """One engine filled with prompts, decoding round after round under configurations chosen by the caller."""
+
+    def __init__(self, models: Any, mode: str, types: Sequence[str], ctx: str, max_new: int, seed: int,
+                 target: Any = None, version: str | None = None) -> None:
+        from engine.corpus import held_out_prompts
+        from engine.loop import EngineConfig, Request, SpecEngine
+
+        k_max = max(K_VALUES)
+        prompt_len = CONTEXTS[ctx]
+        cfg = EngineConfig(max_batch=len(types), max_context=prompt_len + max_new + 2 * k_max + 4, k_max=k_max,
+                           seed=seed)
+        self.engine = SpecEngine(target if target is not None else models.target, models.draft, cfg,
+                                 version or models.target_version, models.draft_version)
+        temperature = 1.0 if mode == "sample" else 0.0
+        by_type = {t: iter(held_out_prompts(t, types.count(t), prompt_len, seed=seed + 17 * len(types)))
+                   for t in set(types)}
+        for j, t in enumerate(types):
+            req = Request(f"{t}-{j}", t, next(by_type[t]), max_new, temperature=temperature, stop_at_eos=False)
+            assert self.engine.submit(req), self.engine.rejected
+        self.batch = len(types)
+        self.k: KConfig = {}
+
+    def policy(self, rtype: str, _b: int, _c: int) -> int:
+        return self.k[rtype]
+
+    def step(self, k: KConfig) -> Any:
+        self.k = k
+        rec = self.engine.step(self.policy)
+        assert rec is not None and rec.batch_size == self.batch, "a row finished during the measurement"
+        return rec
+
+    def measure(self, configs: Sequence[KConfig], reps: int, rng: random.Random) -> list[dict[str, Any]]:
+        """Each configuration ``reps`` times, in a shuffled order per repetition. Returns per-config totals."""
+        out: list[dict[str, Any]] = [
+            {"emitted": 0, "draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0, "contexts": [],
+             "round_wall": [], "hist": {}, "emitted_by_type": {}, "rows_by_type": {}}
+            for _ in configs
+        ]
+        for _ in range(reps):
+            order = list(range(len(configs)))
+            rng.shuffle(order)
+            for i in order:
+                rec = self.step(configs[i])
+                o = out[i]
+                o["emitted"] += rec.emitted
+                o["draft"] += rec.draft_s
+                o["verify"] += rec.verify_s
+                o["other"] += rec.other_s + rec.prefill_s  # the calibration's "other" has always included admission
+                o["rounds"] += 1
+                o["contexts"].append(rec.max_context)
+                o["round_wall"].append(rec.wall_s)
+                for row in rec.rows:
+                    h = o["hist"].setdefault(row.request_type, [0] * (row.k + 1))
+                    h[row.accepted] += 1
+                    o["emitted_by_type"][row.request_type] = o["emitted_by_type"].get(row.request_type, 0) + row.emitted
+                    o["rows_by_type"][row.request_type] = o["rows_by_type"].get(row.request_type, 0) + 1
+        return out
+
+
+def _tok_s(m: dict[str, Any]) -> float:
+    # Mean tokens emitted per round over the median round time: the mean keeps acceptance unbiased (a median of
+    # per-round rates is not, emitted counts being discrete), the median keeps a round that another process
+    # interrupted from moving the figure.
+    return (m["emitted"] / m["rounds"]) / statistics.median(m["round_wall"])
+
+
+def _release(rows: _Rows) -> None:
+    import torch
+
+    del rows.engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _uniform(ks: Sequence[int]) -> list[KConfig]:
+    return [dict.fromkeys(REQUEST_TYPES, k) for k in ks]
 
 
 def _run_cell(models: Any, mode: str, rtype: str, bsz: int, ctx: str, reps: int, seed: int,
               target: Any = None, version: str | None = None) -> dict[int, dict[str, Any]]:
-    """Measure one cell. Returns per-k emitted tokens, wall seconds, round seconds and acceptance histograms."""
-    import torch
-
-    from engine.corpus import held_out_prompts
-    from engine.loop import EngineConfig, Request, SpecEngine
-
-    k_max = max(K_VALUES)
-    prompt_len = CONTEXTS[ctx]
+    """Measure one uniform cell. Returns per-k emitted tokens, round seconds and the acceptance histogram."""
     per_cycle = sum(k + 1 for k in K_VALUES)  # most tokens a row can emit in one cycle through every k
-    room = models.target.cfg.max_seq_len - prompt_len - 2 * k_max - 8
+    room = models.target.cfg.max_seq_len - CONTEXTS[ctx] - 2 * max(K_VALUES) - 8
     reps = max(1, min(reps, room // per_cycle - 1))  # long prompts leave room for fewer cycles
-    # Enough new tokens that no row finishes during the measurement: every round emits at most k_max + 1.
-    max_new = (reps + 1) * per_cycle + 8
-    cfg = EngineConfig(max_batch=bsz, max_context=prompt_len + max_new + 2 * k_max + 4, k_max=k_max, seed=seed)
-    eng = SpecEngine(target if target is not None else models.target, models.draft, cfg,
-                     version or models.target_version, models.draft_version)
-    temperature = 1.0 if mode == "sample" else 0.0
-    for j, p in enumerate(held_out_prompts(rtype, bsz, prompt_len, seed=seed + 17 * bsz)):
-        ok = eng.submit(Request(f"{rtype}-{j}", rtype, p, max_new, temperature=temperature, stop_at_eos=False))
-        assert ok, eng.rejected
-    state: dict[str, int] = {"k": 0}
-
-    def policy(_t: str, _b: int, _c: int) -> int:
-        return state["k"]
-
+    # Enough new tokens that no row finishes during the measurement (warm-up cycle included).
+    rows = _Rows(models, mode, [rtype] * bsz, ctx, (reps + 1) * per_cycle + 8, seed, target, version)
+    configs = _uniform(K_VALUES)
     # Warm-up: prefill (k = 0) and one round of each k so the draft has caught up and allocators are warm.
-    for k in K_VALUES:
-        state["k"] = k
-        eng.step(policy)
-    rng = random.Random(seed)
-    out: dict[int, dict[str, Any]] = {
-        k: {"emitted": 0, "wall": 0.0, "draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0,
-            "hist": [0] * (k + 1), "contexts": [], "round_wall": []}
-        for k in K_VALUES
-    }
-    for _ in range(reps):
-        order = list(K_VALUES)
-        rng.shuffle(order)
-        for k in order:
-            state["k"] = k
-            rec = eng.step(policy)
-            assert rec is not None and rec.batch_size == bsz, "a row finished during the measurement"
-            o = out[k]
-            o["emitted"] += rec.emitted
-            o["wall"] += rec.wall_s
-            o["draft"] += rec.draft_s
-            o["verify"] += rec.verify_s
-            o["other"] += rec.other_s + rec.prefill_s  # the calibration's "other" has always included admission
-            o["rounds"] += 1
-            o["contexts"].append(rec.max_context)
-            o["round_wall"].append(rec.wall_s)
-            for row in rec.rows:
-                o["hist"][row.accepted] += 1
-    del eng
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    for c in configs:
+        rows.step(c)
+    res = rows.measure(configs, reps, random.Random(seed))
+    _release(rows)
+    out = {}
+    for k, m in zip(K_VALUES, res, strict=True):
+        m["hist"] = m["hist"].get(rtype, [0] * (k + 1))
+        out[k] = m
     return out
 
 
-def _cell_json(mode: str, rtype: str, bsz: int, ctx: str, m: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    # Mean tokens emitted per round over the median round time: the mean keeps acceptance unbiased (a median of
-    # per-round rates is not, emitted counts being discrete), the median keeps a round that another process
-    # interrupted from moving the figure.
-    tok_s = {k: (m[k]["emitted"] / m[k]["rounds"]) / statistics.median(m[k]["round_wall"]) for k in K_VALUES}
+def _cell_json(profile: str, mode: str, rtype: str, bsz: int, ctx: str, m: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    tok_s = {k: _tok_s(m[k]) for k in K_VALUES}
     plain = tok_s[0]
-    spec = {str(k): round(tok_s[k], 2) for k in K_VALUES if k > 0}
-    mal = {str(k): round(m[k]["emitted"] / max(1, sum(m[k]["hist"])), 4) for k in K_VALUES if k > 0}
     best_k = max(K_VALUES, key=lambda k: tok_s[k])
     best_spec = max((k for k in K_VALUES if k > 0), key=lambda k: tok_s[k])
     return {
+        "profile": profile,
         "mode": mode,
         "request_type": rtype,
         "batch_size": bsz,
         "context": ctx,
         "context_len": int(statistics.median(c for k in K_VALUES for c in m[k]["contexts"])),
         "plain_tok_s": round(plain, 2),
-        "spec_tok_s": spec,
-        "mean_accept_len": mal,
+        "spec_tok_s": {str(k): round(tok_s[k], 2) for k in K_VALUES if k > 0},
+        "mean_accept_len": {str(k): round(m[k]["emitted"] / max(1, sum(m[k]["hist"])), 4) for k in K_VALUES if k > 0},
         "best_k": best_k,
         "best_speedup": round(tok_s[best_spec] / plain, 4),
         "accept_hist": {str(k): m[k]["hist"] for k in K_VALUES if k > 0},
@@ -141,53 +215,143 @@ def _cell_json(mode: str, rtype: str, bsz: int, ctx: str, m: dict[int, dict[str,
     }
 
 
+def _mixed_types(bsz: int) -> list[str]:
+    """One third each of code, prose and structured, interleaved so every type spreads over the batch."""
+    return [REQUEST_TYPES[j % len(REQUEST_TYPES)] for j in range(bsz)]
+
+
+def _run_mixed(models: Any, sec: Section, bsz: int, seed: int) -> dict[str, Any]:
+    """A mixed cell: best uniform k vs the best per-type k triple on the same rows (see the module docstring)."""
+    sweep_reps, probe_reps, final_reps = sec.mixed_reps
+    probes = sec.mixed_passes * len(REQUEST_TYPES) * (len(MIXED_GRID) - 1)
+    rounds = len(MIXED_GRID) * (1 + sweep_reps) + probes * probe_reps + 2 * final_reps + 2
+    rows = _Rows(models, "sample", _mixed_types(bsz), "short", rounds * (max(MIXED_GRID) + 1) + 8, seed)
+    rng = random.Random(seed)
+    uniform = _uniform(MIXED_GRID)
+    for c in uniform:  # warm-up, as in uniform cells
+        rows.step(c)
+    sweep = rows.measure(uniform, sweep_reps, rng)
+    sweep_tok_s = {k: _tok_s(m) for k, m in zip(MIXED_GRID, sweep, strict=True)}
+    best_uniform = max(MIXED_GRID, key=lambda k: sweep_tok_s[k])
+    triple = dict.fromkeys(REQUEST_TYPES, best_uniform)
+    search: list[dict[str, Any]] = []
+    for _ in range(sec.mixed_passes):
+        for t in REQUEST_TYPES:
+            cands = [{**triple, t: k} for k in MIXED_GRID]
+            res = rows.measure(cands, probe_reps, rng)
+            scores = [_tok_s(m) for m in res]
+            triple = cands[max(range(len(cands)), key=lambda i: scores[i])]
+            search.append({"vary": t, "tok_s": {str(k): round(v, 2) for k, v in zip(MIXED_GRID, scores, strict=True)},
+                           "chosen": dict(triple)})
+    final = rows.measure([dict.fromkeys(REQUEST_TYPES, best_uniform), triple], final_reps, rng)
+    _release(rows)
+    uni_tok_s, per_type_tok_s = _tok_s(final[0]), _tok_s(final[1])
+    plain = sweep_tok_s[0]
+    return {
+        "profile": sec.profile,
+        "mode": "sample",
+        "request_type": MIXED,
+        "types": {t: _mixed_types(bsz).count(t) for t in REQUEST_TYPES},
+        "batch_size": bsz,
+        "context": "short",
+        "context_len": int(statistics.median(final[0]["contexts"])),
+        "plain_tok_s": round(plain, 2),
+        "spec_tok_s": {str(k): round(v, 2) for k, v in sweep_tok_s.items() if k > 0},
+        "best_k": best_uniform,
+        "best_speedup": round(max(v for k, v in sweep_tok_s.items() if k > 0) / plain, 4),
+        "mean_accept_len": {t: round(final[1]["emitted_by_type"][t] / final[1]["rows_by_type"][t], 4)
+                            for t in REQUEST_TYPES},
+        "best_uniform_k": best_uniform,
+        "best_uniform_tok_s": round(uni_tok_s, 2),
+        "best_per_type_k": triple,
+        "best_per_type_tok_s": round(per_type_tok_s, 2),
+        "per_type_over_uniform": round(per_type_tok_s / uni_tok_s, 4),
+        "search": search,
+    }
+
+
 def run(plan: BenchPlan, checkpoints: str | None, device: str | None, progress: bool = True) -> dict[str, Any]:
     """Run the plan and return the JSON document."""
     import torch
     from rich.progress import Progress
 
     from engine.loader import load_models
-    from engine.loop import EngineConfig, SpecEngine
 
-    models = load_models(checkpoints, device, with_update=True)
     cells: list[dict[str, Any]] = []
-    todo = [(m, t, b, c) for m in plan.modes for t in REQUEST_TYPES for b in plan.batch_sizes for c in plan.contexts]
+    memory: dict[str, Any] = {}
+    version_acc: dict[str, Any] = {}
+    label = ""
+    sections = plan.selected()
     t0 = time.perf_counter()
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("engine cells", total=len(todo) + len(REQUEST_TYPES))
-        for mode, rtype, bsz, ctx in todo:
-            bar.update(task, description=f"{mode} {rtype} batch {bsz} {ctx}")
-            m = _run_cell(models, mode, rtype, bsz, ctx, plan.reps[bsz], plan.seed)
-            cells.append(_cell_json(mode, rtype, bsz, ctx, m))
-            bar.advance(task)
-        version_acc: dict[str, Any] = {}
-        assert models.target_v2 is not None
-        for rtype in REQUEST_TYPES:
-            bar.update(task, description=f"target-v2 acceptance {rtype}")
-            vbsz = min(8, max(plan.batch_sizes))
-            for name, tgt in ((models.target_version, models.target), (models.target_v2_version, models.target_v2)):
-                m = _run_cell(models, "sample", rtype, vbsz, "short", plan.version_reps, plan.seed + 1, tgt, name)
-                version_acc.setdefault(name, {})[rtype] = {str(k): m[k]["hist"] for k in K_VALUES if k > 0}
-            bar.advance(task)
-    biggest = max(plan.batch_sizes)
-    eng = SpecEngine(models.target, models.draft,
-                     EngineConfig(max_batch=biggest, max_context=CONTEXTS["long"] + 512), "m", "m")
+        for sec in sections:
+            models = load_models(checkpoints, device, with_update=sec.profile == "small", profile=sec.profile)
+            label = models.device.label
+            cells += _run_section(models, sec, plan.seed, bar)
+            memory[sec.profile] = _memory(models, max(sec.batch_sizes))
+            if sec.profile == "small" and models.target_v2 is not None:
+                version_acc = _version_acceptance(models, plan, bar)
+            del models
     return {
-        "device": models.device.label,
+        "device": label,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "plan": {
-            "modes": plan.modes,
-            "batch_sizes": plan.batch_sizes,
-            "contexts": {c: CONTEXTS[c] for c in plan.contexts},
-            "reps": {str(b): r for b, r in plan.reps.items()},
+            "sections": [
+                {"profile": s.profile, "modes": s.modes, "batch_sizes": s.batch_sizes,
+                 "contexts": {c: CONTEXTS[c] for c in s.contexts}, "reps": {str(b): r for b, r in s.reps.items()},
+                 "mixed_batches": s.mixed_batches, "mixed_reps": s.mixed_reps, "mixed_passes": s.mixed_passes}
+                for s in sections
+            ],
             "k_values": K_VALUES,
+            "mixed_grid": MIXED_GRID,
         },
         "seconds": round(time.perf_counter() - t0, 1),
-        "memory_bytes": {"batch_size": biggest, "max_context": CONTEXTS["long"] + 512, **eng.memory_report()},
+        "memory_bytes": memory,
         "cells": cells,
         "version_acceptance": version_acc,
     }
+
+
+def _run_section(models: Any, sec: Section, seed: int, bar: Any) -> list[dict[str, Any]]:
+    """Every uniform cell of ``sec``, then its mixed cells."""
+    plan = [(m, t, b, c) for m in sec.modes for t in REQUEST_TYPES for b in sec.batch_sizes for c in sec.contexts]
+    task = bar.add_task(sec.profile, total=len(plan) + len(sec.mixed_batches))
+    cells = []
+    for mode, rtype, bsz, ctx in plan:
+        bar.update(task, description=f"{sec.profile} {mode} {rtype} batch {bsz} {ctx}")
+        m = _run_cell(models, mode, rtype, bsz, ctx, sec.reps[bsz], seed)
+        cells.append(_cell_json(sec.profile, mode, rtype, bsz, ctx, m))
+        bar.advance(task)
+    for bsz in sec.mixed_batches:
+        bar.update(task, description=f"{sec.profile} mixed batch {bsz}")
+        cells.append(_run_mixed(models, sec, bsz, seed))
+        bar.advance(task)
+    return cells
+
+
+def _memory(models: Any, batch: int) -> dict[str, Any]:
+    """Weights and KV cache of an engine at ``batch`` rows of the models' longest context."""
+    from engine.loop import EngineConfig, SpecEngine
+
+    ctx = models.target.cfg.max_seq_len
+    eng = SpecEngine(models.target, models.draft, EngineConfig(max_batch=batch, max_context=ctx), "m", "m")
+    rep = {"batch_size": batch, "max_context": ctx, "target_params": models.target.num_params(),
+           "draft_params": models.draft.num_params(), **eng.memory_report()}
+    del eng
+    return rep
+
+
+def _version_acceptance(models: Any, plan: BenchPlan, bar: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    task = bar.add_task("target-v2 acceptance", total=len(REQUEST_TYPES))
+    vbsz = 8
+    for rtype in REQUEST_TYPES:
+        for name, tgt in ((models.target_version, models.target), (models.target_v2_version, models.target_v2)):
+            m = _run_cell(models, "sample", rtype, vbsz, "short", plan.version_reps, plan.seed + 1, tgt, name)
+            out.setdefault(name, {})[rtype] = {str(k): m[k]["hist"] for k in K_VALUES if k > 0}
+        bar.advance(task)
+    return out
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -196,28 +360,52 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    contexts = sorted({c["context"] for c in doc["cells"]}, key=list(CONTEXTS).index)
-    modes = [m for m in ("sample", "greedy") if any(c["mode"] == m for c in doc["cells"])]
-    fig, axes = plt.subplots(len(modes) * len(contexts), len(REQUEST_TYPES),
-                             figsize=(4.2 * len(REQUEST_TYPES), 3.2 * len(modes) * len(contexts)), squeeze=False)
-    for i, (mode, ctx) in enumerate((m, c) for m in modes for c in contexts):
+    uniform = [c for c in doc["cells"] if c["request_type"] != MIXED]
+    mixed = [c for c in doc["cells"] if c["request_type"] == MIXED]
+    panels = sorted({(c.get("profile", "small"), c["mode"], c["context"]) for c in uniform},
+                    key=lambda p: (p[0] != "xl", p[1], list(CONTEXTS).index(p[2])))
+    ncols = len(REQUEST_TYPES) + (1 if mixed else 0)
+    fig, axes = plt.subplots(len(panels), ncols, figsize=(4.2 * ncols, 3.2 * len(panels)), squeeze=False)
+    for i, (profile, mode, ctx) in enumerate(panels):
         for j, rtype in enumerate(REQUEST_TYPES):
             ax = axes[i][j]
-            for cell in doc["cells"]:
-                if (cell["mode"], cell["context"], cell["request_type"]) != (mode, ctx, rtype):
+            for cell in uniform:
+                if (cell.get("profile", "small"), cell["mode"], cell["context"], cell["request_type"]) != (
+                        profile, mode, ctx, rtype):
                     continue
                 ks = [0, *(int(k) for k in cell["spec_tok_s"])]
                 ratio = [1.0, *(v / cell["plain_tok_s"] for v in cell["spec_tok_s"].values())]
                 ax.plot(ks, ratio, marker="o", ms=3, label=f"batch {cell['batch_size']}")
             ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-            ax.set_title(f"{rtype} · {ctx} context · {mode}", fontsize=9)
+            ax.set_title(f"{profile} · {rtype} · {ctx} · {mode}", fontsize=9)
             ax.set_xlabel("draft length k (0 = plain)")
+            ax.set_ylabel("tokens/s ÷ plain")
+            ax.legend(fontsize=7)
+        if mixed:
+            ax = axes[i][-1]
+            here = [c for c in mixed if c["profile"] == profile and mode == "sample" and ctx == "short"]
+            if not here:
+                ax.axis("off")
+                continue
+            x = range(len(here))
+            ax.bar([v - 0.2 for v in x], [c["best_uniform_tok_s"] / c["plain_tok_s"] for c in here], 0.4,
+                   label="best uniform k")
+            ax.bar([v + 0.2 for v in x], [c["best_per_type_tok_s"] / c["plain_tok_s"] for c in here], 0.4,
+                   label="best k per type")
+            ax.set_xticks(list(x), [f"B{c['batch_size']}\n{_triple(c['best_per_type_k'])}" for c in here],
+                          fontsize=7)
+            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+            ax.set_title(f"{profile} · mixed types · short · sample", fontsize=9)
             ax.set_ylabel("tokens/s ÷ plain")
             ax.legend(fontsize=7)
     fig.suptitle(f"spectune reference engine — {doc['device']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _triple(ks: dict[str, int]) -> str:
+    return " ".join(f"{t[0]}{k}" for t, k in ks.items())
 
 
 def print_table(doc: dict[str, Any]) -> None:
@@ -225,24 +413,40 @@ def print_table(doc: dict[str, Any]) -> None:
     from rich.table import Table
 
     t = Table(title="speculative vs plain decoding (tokens/s)")
-    for col in ("mode", "type", "batch", "ctx", "plain tok/s", "best k", "best spec ×", "accept len @k=4"):
+    for col in ("profile", "mode", "type", "batch", "ctx", "plain tok/s", "best k", "best spec ×", "accept len @k=4"):
         t.add_column(col, justify="right")
     for c in doc["cells"]:
-        t.add_row(c["mode"], c["request_type"], str(c["batch_size"]), c["context"], f"{c['plain_tok_s']:.1f}",
-                  str(c["best_k"]), f"{c['best_speedup']:.2f}", f"{c['mean_accept_len'].get('4', 0):.2f}")
+        if c["request_type"] == MIXED:
+            continue
+        t.add_row(c.get("profile", "small"), c["mode"], c["request_type"], str(c["batch_size"]), c["context"],
+                  f"{c['plain_tok_s']:.1f}", str(c["best_k"]), f"{c['best_speedup']:.2f}",
+                  f"{c['mean_accept_len'].get('4', 0):.2f}")
     Console().print(t)
+    m = Table(title="mixed batches (one third each type): best uniform k vs best k per type, measured side by side")
+    for col in ("profile", "batch", "plain tok/s", "uniform k", "uniform tok/s", "per-type k", "per-type tok/s",
+                "per-type ÷ uniform"):
+        m.add_column(col, justify="right")
+    for c in doc["cells"]:
+        if c["request_type"] == MIXED:
+            m.add_row(c["profile"], str(c["batch_size"]), f"{c['plain_tok_s']:.1f}", str(c["best_uniform_k"]),
+                      f"{c['best_uniform_tok_s']:.1f}", _triple(c["best_per_type_k"]),
+                      f"{c['best_per_type_tok_s']:.1f}", f"{c['per_type_over_uniform']:.3f}")
+    if m.row_count:
+        Console().print(m)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="spectune bench engine", description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, default=RESULTS / "engine.json", help="where to write the results")
-    ap.add_argument("--quick", action="store_true", help="a reduced plan that runs in about a minute")
+    ap.add_argument("--quick", action="store_true", help="a reduced plan that runs in under two minutes")
+    ap.add_argument("--profile", action="append", choices=("small", "xl"), default=None,
+                    help="measure only this profile (repeatable; default: both)")
     ap.add_argument("--checkpoints", default=None, help="checkpoint folder (default: the shipped checkpoints)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     plan = QUICK if args.quick else FULL
-    plan = BenchPlan(plan.modes, plan.batch_sizes, plan.contexts, plan.reps, plan.version_reps, args.seed)
+    plan = BenchPlan(plan.sections, plan.version_reps, args.seed, tuple(args.profile or ()))
     doc = run(plan, args.checkpoints, args.device)
     write_results(doc, args.json, plot, print_table)
     return 0

@@ -70,6 +70,9 @@ from policies import REGISTRY, BatchTablePolicy, Policy, StaticPolicy
 from policies.base import Decision
 from telemetry.records import DEFAULT_BUCKETS, REQUEST_TYPES, Bucket
 
+# engine.checkpoint.DEFAULT_PROFILE, named here rather than imported: the simulator section runs without torch.
+DEFAULT_PROFILE = "xl"
+
 K_MAX = 8
 ROLLING = 3  # windows averaged when checking "reached 90% of oracle"
 
@@ -394,7 +397,7 @@ def _cell_of(spec: WindowSpec, cal_ctx: dict[str, str]) -> tuple[str, int, str]:
     return spec.version, DEFAULT_BUCKETS.batch_bucket(spec.batch_size), cal_ctx[spec.context]
 
 
-def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = None,
+def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = None, profile: str = DEFAULT_PROFILE,
                        progress: bool = True) -> tuple[dict[str, Any] | None, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """The same comparison on the real engine: the simulator's workload shape, shorter and CPU-sized.
 
@@ -424,19 +427,21 @@ def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = Non
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _engine_section(plan, seed, checkpoints, progress)
+        return _engine_section(plan, seed, checkpoints, progress, profile)
     finally:
         torch.set_num_threads(threads)
 
 
-def _engine_section(plan: EnginePlan, seed: int, checkpoints: str | None,
-                    progress: bool) -> tuple[dict[str, Any] | None, dict[str, tuple[np.ndarray, np.ndarray]]]:
+def _engine_section(
+    plan: EnginePlan, seed: int, checkpoints: str | None, progress: bool, profile: str
+) -> tuple[dict[str, Any] | None, dict[str, tuple[np.ndarray, np.ndarray]]]:
     import torch
 
     from engine.loader import load_models
 
     try:
-        models = load_models(checkpoints, "cpu" if not torch.cuda.is_available() else None, with_update=True)
+        models = load_models(checkpoints, "cpu" if not torch.cuda.is_available() else None, with_update=True,
+                             profile=profile)
     except FileNotFoundError as e:
         print(f"engine section skipped: {e}")
         return None, {}
@@ -489,7 +494,7 @@ def _engine_section(plan: EnginePlan, seed: int, checkpoints: str | None,
                 curves[name] = (np.cumsum(res.rounds), np.cumsum(res.rounds * (1.0 - rel)))
         repeats.append({"oracle_tok_s": oracle.tok_s, "rounds": int(oracle.rounds.sum()), "policies": entries})
     out: dict[str, Any] = {
-        "device": models.device.label, "threads": torch.get_num_threads(),
+        "profile": models.profile, "device": models.device.label, "threads": torch.get_num_threads(),
         "checkpoints": checkpoints or "checkpoints/", "windows": len(specs), "window_s": plan.window_s,
         "plan": {**asdict(plan), "prompt_bytes": dict(plan.prompt_bytes)},
         "workload": describe_workload(specs, types),
@@ -589,14 +594,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--calibration", default="bench/results/engine.json")
     ap.add_argument("--checkpoints", default=None, help="checkpoint folder for the engine section (default: shipped)")
     ap.add_argument("--no-engine", action="store_true", help="simulator section only")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE, choices=("small", "xl"),
+                    help="the target/draft pair: calibration cells and engine (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    cal = Calibration(args.calibration)
+    cal = Calibration(args.calibration, profile=args.profile)
     sim, curves = run_simulator_section(cal, args.quick, args.seed)
+    sim["profile"] = cal.profile
     add_summary(sim)
     print_table(sim, "simulator")
     engine, engine_curves = (None, {}) if args.no_engine else run_engine_section(args.quick, args.seed,
-                                                                                  args.checkpoints)
+                                                                                  args.checkpoints, args.profile)
     if engine is not None:
         add_summary(engine)
         print_table(engine, f"engine ({engine['device']}, {engine['seconds']:.0f} s)")

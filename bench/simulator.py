@@ -70,19 +70,28 @@ class Calibration:
         path: the calibration file.
         mode: which cells to use (``"sample"`` or ``"greedy"``).
         smooth: ``"linear"`` fits each (batch, context) cost as linear in k; ``"none"`` keeps the raw means.
+        profile: which profile's cells (``"small"``, ``"xl"``); None takes the file's only profile. Cells without
+            a profile field are ``"small"`` (files written before profiles existed). Mixed cells are not read.
     """
 
-    def __init__(self, path: str | Path, mode: str = "sample", smooth: str = "linear") -> None:
+    def __init__(self, path: str | Path, mode: str = "sample", smooth: str = "linear",
+                 profile: str | None = None) -> None:
         if smooth not in SMOOTHING:
             raise ValueError(f"smooth must be one of {SMOOTHING}, got {smooth!r}")
         try:
             data = json.loads(Path(path).read_text())
-            cells = [c for c in data["cells"] if c.get("mode", "sample") == mode]
+            cells = [c for c in data["cells"] if c.get("mode", "sample") == mode and c["request_type"] != "mixed"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CalibrationError(f"cannot read calibration {path}: {e!r}; run the engine benchmark first "
                                    "or pass --calibration tests/policies/fixture_engine.json") from e
+        profiles = sorted({c.get("profile", "small") for c in cells})
+        if profile is None and len(profiles) > 1:
+            raise CalibrationError(f"{path} holds the profiles {profiles}: choose one (--profile)")
+        if profile is not None:
+            cells = [c for c in cells if c.get("profile", "small") == profile]
         if not cells:
-            raise CalibrationError(f"{path} has no {mode!r} cells")
+            raise CalibrationError(f"{path} has no {mode!r} cells" + (f" for profile {profile!r}" if profile else ""))
+        self.profile = profile or profiles[0]
         self.device = str(data.get("device", "?"))
         self.smooth = smooth
         self.types = sorted({c["request_type"] for c in cells})

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="spectune")
     p.add_argument("--engine-id", default=f"engine-{os.getpid()}")
     p.add_argument("--checkpoints", type=Path, default=None, help="checkpoint folder (default: shipped)")
+    p.add_argument("--profile", choices=("small", "xl"), default="xl",
+                   help="xl: target-v1 widened 4x (a 43M model's cost, the same predictions); small: as trained")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--workload", default="steady", help="demo or steady")
     p.add_argument("--duration", type=float, default=None, help="seconds to run (default: the workload's length)")
@@ -174,7 +176,8 @@ def _bench(rest: list[str]) -> int:
 def _train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from engine.train import CHECKPOINT_DIR, train_all
+    from engine.checkpoint import CHECKPOINT_DIR
+    from engine.train import train_all
 
     if args.scale <= 0:
         raise CLIError("--scale must be > 0 (1.0 reproduces the shipped checkpoints)")
@@ -191,7 +194,8 @@ def _engine(args: argparse.Namespace) -> int:
 
     _check_redis(args.redis_url)
     cfg = EngineProcConfig(
-        redis_url=args.redis_url, engine_id=args.engine_id, checkpoints=args.checkpoints, device=args.device,
+        redis_url=args.redis_url, engine_id=args.engine_id, checkpoints=args.checkpoints, profile=args.profile,
+        device=args.device,
         prefix=args.prefix, workload=args.workload, duration_s=args.duration, load=args.load,
         default_k=args.default_k, k_max=args.k_max, window_s=args.window, seed=args.seed,
         status_path=args.status_file, prompt_cache=args.prompt_cache,

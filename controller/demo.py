@@ -47,6 +47,7 @@ class DemoConfig:
 
     out_root: Path = Path("runs")  # the report goes to out_root/demo-YYYYmmdd-HHMMSS
     checkpoints: Path | None = None  # None: the shipped checkpoints
+    profile: str = "xl"  # target/draft pair (engine/checkpoint.py): xl = a large target's cost, small = as trained
     device: str | None = None  # None: CUDA when present, else CPU
     redis_url: str | None = None  # None: in-process transport
     db_url: str | None = None  # None: SQLite file in the run folder
@@ -113,7 +114,7 @@ class _Engine:
         from engine.loader import load_models
 
         self.cfg = cfg
-        self.models = load_models(cfg.checkpoints, cfg.device, with_update=True)
+        self.models = load_models(cfg.checkpoints, cfg.device, with_update=True, profile=cfg.profile)
         self.pool = PromptPool(cfg.seed, cfg.prompt_cache)
         warm_up(self.fresh(), self.pool)
 
@@ -290,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-scale", type=float, default=None, help="multiply every phase's length")
     ap.add_argument("--out", type=Path, default=Path("runs"), help="the report folder goes under here")
     ap.add_argument("--checkpoints", type=Path, default=None, help="checkpoint folder (default: shipped)")
+    ap.add_argument("--profile", choices=("small", "xl"), default="xl",
+                    help="xl: target-v1 widened 4x (a 43M model's cost, the same predictions); small: as trained")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--redis-url", default=None, help="use Redis instead of the in-process transport")
     ap.add_argument("--db-url", default=None, help="use this database (e.g. PostgreSQL) instead of SQLite")
@@ -303,9 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``spectune demo [--quick] [--redis-url URL] [--db-url URL] ...``; prints the report folder."""
     args = build_parser().parse_args(argv)
     scale = args.time_scale if args.time_scale is not None else (QUICK_SCALE if args.quick else 1.0)
-    cfg = DemoConfig(out_root=args.out, checkpoints=args.checkpoints, device=args.device, redis_url=args.redis_url,
-                     db_url=args.db_url, time_scale=scale, static_k=args.static_k, seed=args.seed,
-                     prompt_cache=args.prompt_cache, max_batch=QUICK_MAX_BATCH if args.quick else 64)
+    cfg = DemoConfig(out_root=args.out, checkpoints=args.checkpoints, profile=args.profile, device=args.device,
+                     redis_url=args.redis_url, db_url=args.db_url, time_scale=scale, static_k=args.static_k,
+                     seed=args.seed, prompt_cache=args.prompt_cache, max_batch=QUICK_MAX_BATCH if args.quick else 64)
     run_dir = run_demo(cfg)
     print(f"report: {run_dir / 'summary.md'}")
     return 0

@@ -37,6 +37,7 @@ class EngineProcConfig:
     redis_url: str  # windows out, policy in
     engine_id: str  # unique per engine process (idempotency key of its windows)
     checkpoints: Path | None = None  # None: the shipped checkpoints
+    profile: str = "xl"  # target/draft pair (engine/checkpoint.py): xl = a large target's cost, small = as trained
     device: str | None = None  # None: CUDA when present, else CPU
     prefix: str = DEFAULT_PREFIX
     workload: str = "steady"  # a name in controller.workload.WORKLOADS
@@ -126,7 +127,7 @@ def run_engine(cfg: EngineProcConfig, stop: threading.Event | None = None,
     from engine.loop import EngineConfig, SpecEngine
 
     stop = stop or threading.Event()
-    models = load_models(cfg.checkpoints, cfg.device, with_update=True)
+    models = load_models(cfg.checkpoints, cfg.device, with_update=True, profile=cfg.profile)
     engine = SpecEngine(models.target, models.draft, EngineConfig(max_batch=cfg.max_batch, k_max=cfg.k_max,
                                                                   seed=cfg.seed),
                         models.target_version, models.draft_version)

@@ -98,7 +98,8 @@ def test_engine_follows_pins_survives_the_sidecar_and_nothing_is_lost(procs: Pro
     status = procs.tmp / "engine.jsonl"
     sc1, url1 = procs.sidecar("sc1")
     engine = procs.spawn(["engine", "--redis-url", procs.redis_url, "--prefix", procs.prefix, "--engine-id", "e2e",
-                          "--checkpoints", str(procs.checkpoints), "--load", "4", "--duration", "600",
+                          "--checkpoints", str(procs.checkpoints), "--profile", "small", "--load", "4",
+                          "--duration", "600",
                           "--default-k", "2", "--status-file", str(status), "--prompt-cache", str(procs.cache),
                           "--device", "cpu"], "engine.log")
     wait_until(lambda: any(x["rounds"] >= 3 for x in status_lines(status)), STARTUP_S, "the engine to decode")
