@@ -305,6 +305,11 @@ class _Server(HTTPServer):
         for key in list(self._sel.get_map().values()):
             if isinstance(key.data, _Conn):
                 key.data.close()
+        while True:  # handed back by a worker after the last loop
+            try:
+                self._back.get_nowait().close()
+            except queue.Empty:
+                break
         self._sel.close()
 
     def _accept(self) -> None:
