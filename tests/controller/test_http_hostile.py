@@ -20,7 +20,7 @@ from telemetry.ingest import ConsumerConfig
 from telemetry.store import Store
 from telemetry.transport import InProcessTransport
 
-CFG = HttpConfig(workers=4, idle_timeout_s=0.5, request_timeout_s=2.0)
+CFG = HttpConfig(workers=4, idle_timeout_s=1.0, request_timeout_s=2.0)
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def test_idle_connections_are_closed_and_hold_no_thread(served: tuple[OperatorSe
     for s in idle:
         assert s.recv(1) == b""  # closed by the server after idle_timeout_s
         s.close()
-    assert time.monotonic() - t0 < CFG.idle_timeout_s + 2
+    assert time.monotonic() - t0 < CFG.idle_timeout_s + 3
 
 
 def test_keep_alive_serves_several_requests_on_one_connection(served: tuple[OperatorServer, Sidecar]) -> None:
@@ -120,16 +120,23 @@ def test_clients_that_vanish_are_not_sidecar_errors(served: tuple[OperatorServer
 
 
 def test_the_listen_backlog_takes_a_burst(served: tuple[OperatorServer, Sidecar]) -> None:
-    srv, _ = served
+    _, sc = served
+    # Production settings: the fixture's 1 s idle timeout could close a starved client thread's connection
+    # before its request arrives, which is what that timeout is for, not what this test measures.
+    srv = OperatorServer(sc, config=HttpConfig()).start()
     assert srv.backlog >= 64
-    results: list[int] = []
+    results: list[int | str] = []
 
     def one() -> None:
-        results.append(request(srv, "GET", "/health")[0])
+        try:
+            results.append(request(srv, "GET", "/health")[0])
+        except Exception as e:  # shown in the assertion below rather than lost in a thread
+            results.append(repr(e))
 
     threads = [threading.Thread(target=one) for _ in range(40)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
+    srv.close()
     assert results == [200] * 40
