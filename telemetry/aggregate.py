@@ -51,6 +51,7 @@ class _AcceptanceAcc:
 class _CostAcc:
     rounds: int = 0
     batch_rows: int = 0
+    tokens_verified: int = 0
     emitted: int = 0
     draft: list[float] = field(default_factory=list)
     verify: list[float] = field(default_factory=list)
@@ -97,6 +98,9 @@ def check_round(r: RoundRecord, _known_names: set[str] | None = None) -> None:
             raise RecordError("non_finite", "a round time is not finite")
         if t < 0:
             raise RecordError("negative_time", f"a round time is negative ({t})")
+    if not r.batch_size <= r.tokens_verified <= r.batch_size * (r.max_k + 1):  # packed: 1..max_k + 1 per row
+        raise RecordError("bad_tokens_verified", f"tokens_verified={r.tokens_verified} outside "
+                          f"[batch_size, batch_size * (max_k + 1)] = [{r.batch_size}, {r.batch_size * (r.max_k + 1)}]")
     for row in r.rows:
         _check_name(row.request_type, known)
         if not 0 <= row.k <= r.max_k:
@@ -187,6 +191,7 @@ def aggregate(rounds: Iterable[RoundRecord], buckets: BucketConfig = DEFAULT_BUC
             c = cost[ckey] = _CostAcc()
         c.rounds += 1
         c.batch_rows += r.batch_size
+        c.tokens_verified += r.tokens_verified
         c.emitted += emitted
         c.draft.append(r.draft_s)
         c.verify.append(r.verify_s)
@@ -223,8 +228,7 @@ def _cost_window(key: CostKey, c: _CostAcc) -> CostWindow:
     return CostWindow(
         target_version=tv, draft_version=dv, batch_bucket=bb, context_bucket=cb, max_k=max_k,
         rounds=c.rounds,
-        # Convention (records.py): the target scores batch_size * (max_k + 1) positions per round.
-        tokens_verified=c.batch_rows * (max_k + 1),
+        tokens_verified=c.tokens_verified,  # packed (records.py): sum over rows of k + 1
         emitted=c.emitted, batch_rows=c.batch_rows,
         draft_s=_stat(c.draft), verify_s=_stat(c.verify), other_s=_stat(c.other),
         latency_p50=p50, latency_p95=p95, latency_p99=p99,

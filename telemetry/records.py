@@ -12,7 +12,9 @@ Conventions (defined here, once):
   token. **Acceptance length is ``emitted``** — it counts the bonus token, as vLLM's
   ``vllm:spec_decode_num_accepted_tokens`` / mean acceptance length do. A finished row may emit fewer (EOS or
   max tokens reached mid-draft); ``emitted`` is then what was actually kept.
-- ``tokens_verified`` of a round is the number of positions the target scored: ``batch_size * (max_k + 1)``.
+- ``tokens_verified`` of a round is the number of tokens the target's token-wise layers processed. Verification
+  is packed (as in a flattened-batch engine): the sum over rows of ``k + 1``, between ``batch_size`` (every row
+  at k = 0) and ``batch_size * (max_k + 1)`` (every row at max_k).
 - Acceptance is a property of a **row**, keyed by (versions, request type, context bucket, k); cost is a
   property of a **round**, keyed by (versions, batch-size bucket, context bucket, largest k). They are learned
   separately.
@@ -124,7 +126,7 @@ class RoundRecord:
     round_index: int
     batch_size: int
     max_k: int  # largest k in the batch: the draft runs this many steps, verify scores max_k + 1 positions
-    tokens_verified: int  # batch_size * (max_k + 1)
+    tokens_verified: int  # packed: sum over rows of k + 1
     draft_s: float  # seconds drafting (device time on CUDA, perf_counter on CPU)
     verify_s: float  # seconds in the target's verify forward and the acceptance rule
     other_s: float  # the rest of the round's decode work (policy lookups, bookkeeping)
@@ -427,8 +429,8 @@ def cost_from_dict(d: Any) -> CostWindow:
         rounds = _int(rounds, "rounds", 1)
         tv = _int(tv, "tokens_verified")
         batch_rows = _int(batch_rows, "batch_rows", rounds)
-    if tv != batch_rows * (max_k + 1):
-        raise RecordError("bad_tokens_verified", "tokens_verified != batch_rows * (max_k + 1)")
+    if not batch_rows <= tv <= batch_rows * (max_k + 1):  # packed: each row verifies 1..max_k + 1 tokens
+        raise RecordError("bad_tokens_verified", "tokens_verified outside [batch_rows, batch_rows * (max_k + 1)]")
     return CostWindow(
         target_version=_name(g("target_version"), "target_version"),
         draft_version=_name(g("draft_version"), "draft_version"),

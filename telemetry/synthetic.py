@@ -54,7 +54,7 @@ def synthetic_rounds(n: int, seed: int = 0, config: SyntheticConfig | None = Non
             rows.append(RowRecord(rt, rng.randrange(cfg.max_context), k, acc, acc + 1))
         max_k = max(r.k for r in rows)
         yield RoundRecord(
-            round_index=i, batch_size=bs, max_k=max_k, tokens_verified=bs * (max_k + 1),
+            round_index=i, batch_size=bs, max_k=max_k, tokens_verified=sum(r.k + 1 for r in rows),
             draft_s=cfg.draft_step_s * max_k, verify_s=cfg.step_s * (1 + 0.02 * bs * (max_k + 1)),
             other_s=cfg.step_s * 0.05 * rng.random(), target_version=cfg.target_version,
             draft_version=cfg.draft_version, rows=tuple(rows), timestamp=float(i),

@@ -53,7 +53,8 @@ def make_round() -> RoundFactory:
         )
         max_k = max((r.k for r in recs), default=0)
         return RoundRecord(
-            round_index=round_index, batch_size=len(recs), max_k=max_k, tokens_verified=len(recs) * (max_k + 1),
+            round_index=round_index, batch_size=len(recs), max_k=max_k,
+            tokens_verified=sum(r.k + 1 for r in recs),  # packed verification
             draft_s=draft_s, verify_s=verify_s, other_s=other_s, target_version=target, draft_version=draft,
             rows=recs,
         )

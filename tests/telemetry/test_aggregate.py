@@ -41,7 +41,8 @@ def test_cost_keyed_by_batch_bucket_max_context_and_max_k(make_round) -> None:
     by_key = {(c.batch_bucket, c.context_bucket, c.max_k): c for c in agg.cost}
     assert set(by_key) == {(4, "<=2048", 4), (1, "<=512", 2)}
     c = by_key[(4, "<=2048", 4)]
-    assert (c.rounds, c.batch_rows, c.tokens_verified) == (2, 6, 6 * 5)
+    # Packed verification: the window carries the tokens really verified, sum over rows of k + 1.
+    assert (c.rounds, c.batch_rows, c.tokens_verified) == (2, 6, (5 + 3 + 1) + (5 + 2 + 1))
     assert c.emitted == (5 + 2 + 1) + (4 + 1 + 1)
     assert c.draft_s.count == 2 and c.draft_s.total == pytest.approx(0.006) and c.draft_s.max == pytest.approx(0.004)
     assert c.verify_s.sumsq == pytest.approx(0.01**2 + 0.02**2)
@@ -94,3 +95,15 @@ def test_prefill_counts_for_latency_but_not_for_the_cost_of_k(make_round) -> Non
     assert decode_window_batch(encode_window_batch(batch)).sampled_rounds[0].prefill_s == pytest.approx(0.05)
     d = {k: v for k, v in asdict(plain).items() if k != "prefill_s"}
     assert round_from_dict(d).prefill_s == 0.0
+
+
+def test_a_round_claiming_more_tokens_verified_than_its_rows_can_is_rejected(make_round) -> None:
+    from dataclasses import replace
+
+    good = make_round([("code", 100, 4, 4), ("code", 600, 0, 0)])
+    assert good.tokens_verified == 5 + 1
+    padded = replace(good, tokens_verified=2 * 5)  # a padded engine's count: still within the bounds
+    too_many = replace(good, tokens_verified=2 * 5 + 1)
+    too_few = replace(good, tokens_verified=1)
+    agg = aggregate([good, padded, too_many, too_few], BucketConfig())
+    assert agg.rounds == 2 and agg.rejected == {"bad_tokens_verified": 2}
