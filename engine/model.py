@@ -13,6 +13,8 @@ overwritten later).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -113,16 +115,21 @@ def _onednn_linear_available() -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that, on the CPU in fp32 at inference, runs multi-token inputs through oneDNN.
+    """``nn.Linear`` that, on the CPU in fp32 at inference, runs inputs through the faster of oneDNN and BLAS.
 
-    Why: the BLAS behind fp32 ``F.linear`` on CPU builds is tuned for one token (matrix-vector) but 2-2.5x slower
-    than oneDNN with a pre-packed weight for 2..512 tokens (measured on the development machine: 9 tokens x 192 x
-    1024 takes 124 us vs 59 us). Verifying k + 1 tokens would otherwise cost far more than one token. Results are
-    the same floats; single-token inputs keep the BLAS path, which is the faster one there.
+    Why: the BLAS behind fp32 ``F.linear`` on CPU builds is 2-6x slower than oneDNN with a pre-packed weight for
+    2..512 tokens (measured: 9 tokens x 768 x 4096 takes 4.3 ms vs 0.8 ms), so multi-token inputs (verifying
+    k + 1 tokens, packed batches) always take oneDNN. For one token (matrix-vector) the winner depends on the
+    machine and the weight's size: on one development machine BLAS won for every shipped shape, on another
+    oneDNN is 3x faster for the xl target's 768 x 4096 MLP and BLAS 2x faster for the draft's 160 x 480. A plain
+    decoding baseline on the slower kernel would flatter speculation, so :meth:`pack` times both for one token
+    once per weight shape and keeps the faster (``ONE_TOKEN_KERNEL`` caches the choice per process). The two
+    kernels differ only in the order of their sums.
     """
 
     _packed: torch.Tensor | None = None
     _packed_version: int = -1
+    _onednn_for_one: bool = False
 
     def pack(self) -> None:
         """Pre-pack the weight for oneDNN (CPU, fp32, when available); a no-op elsewhere."""
@@ -130,21 +137,52 @@ class Linear(nn.Linear):
         if w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
             self._packed_version = w._version
+            self._onednn_for_one = self._onednn_faster_for_one_token()
         else:
             self._packed = None
+
+    @torch.no_grad()
+    def _onednn_faster_for_one_token(self) -> bool:
+        key = (self.in_features, self.out_features, self.bias is not None, torch.get_num_threads())
+        if key not in ONE_TOKEN_KERNEL:
+            x = torch.randn(1, self.in_features, generator=torch.Generator().manual_seed(0))
+            packed = self._packed
+
+            def onednn() -> torch.Tensor:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+            def blas() -> torch.Tensor:
+                return F.linear(x, self.weight, self.bias)
+
+            ONE_TOKEN_KERNEL[key] = _median_seconds(onednn) < _median_seconds(blas)
+        return ONE_TOKEN_KERNEL[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
         if (
             packed is not None
             and not self.training
-            and x.numel() > x.shape[-1]  # more than one token: the BLAS matrix-vector path is best for one
+            and (self._onednn_for_one or x.numel() > x.shape[-1])  # one token: the kernel pack() timed faster
             and self.weight._version == self._packed_version  # weights unchanged since packing
             and x.dtype == torch.float32
             and not torch.is_grad_enabled()
         ):
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+ONE_TOKEN_KERNEL: dict[tuple[int, int, bool, int], bool] = {}  # (in, out, bias, threads) -> oneDNN is faster
+KERNEL_TIMING_CALLS = 15  # per kernel and weight shape at pack time: a median of 15 calls, about 10 ms for xl
+
+
+def _median_seconds(fn: Callable[[], torch.Tensor]) -> float:
+    fn()  # warm-up: first calls allocate
+    times = []
+    for _ in range(KERNEL_TIMING_CALLS):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 PACK_BATCH_HINT = 64  # oneDNN's packing takes a typical row count; measured equally fast from 2 to 576 rows
@@ -193,7 +231,7 @@ class CachedAttention:
 
     cos: torch.Tensor  # [R, 1, T, D/2] rotary tables at each token's absolute position
     sin: torch.Tensor  # [R, 1, T, D/2]
-    mask: torch.Tensor  # [R, 1, T, end] additive float mask (0 visible, -inf hidden)
+    mask: torch.Tensor | None  # [R, 1, T, end] additive float mask (0 visible, -inf hidden); None: all visible
     rows: torch.Tensor  # [R, 1] cache rows on the device
     flat: torch.Tensor  # [R * H * T] offsets of the new keys/values in the cache viewed [B * H * L', D]
     attend_len: int  # keys 0..attend_len-1 are read (the longest row after this forward)
@@ -385,10 +423,15 @@ class Transformer(nn.Module):
         pos = write_cpu.to(dev, non_blocking=True)  # [R, T] cache slot of each new token
         dtype = self.embed.weight.dtype
         rp = rope_pos.to(dev, non_blocking=True)
-        # Key j is visible to query (r, i) iff j <= pos[r, i]: the cached prefix plus causality within the
-        # new tokens. Padding queries sit at the scratch index; their outputs are discarded.
-        key_pos = torch.arange(end, device=dev)
-        visible = key_pos[None, None, :] <= pos[:, :, None]  # [R, T, end]
+        mask = None
+        if t > 1 or bool((new_lens != end).any()):
+            # Key j is visible to query (r, i) iff j <= pos[r, i]: the cached prefix plus causality within the
+            # new tokens. Padding queries sit at the scratch index; their outputs are discarded. (One new token
+            # per row with every row ending at ``end`` sees every key: no mask, the common decode step.)
+            key_pos = torch.arange(end, device=dev)
+            visible = key_pos[None, None, :] <= pos[:, :, None]  # [R, T, end]
+            # An additive float mask: CPU SDPA kernels run it markedly faster than a boolean one at decode shapes.
+            mask = torch.zeros(visible.shape, dtype=dtype, device=dev).masked_fill_(~visible, float("-inf"))[:, None]
         # Flat write offsets into the cache viewed as [B * H * (capacity + 1), D], shared by every layer.
         n_h, slots = self.cfg.n_heads, cache.capacity + 1
         heads = torch.arange(n_h)[None, :, None]  # [1, H, 1]
@@ -399,8 +442,7 @@ class Transformer(nn.Module):
         ctx = CachedAttention(
             cos=self.rope_cos[rp].to(dtype)[:, None],
             sin=self.rope_sin[rp].to(dtype)[:, None],
-            # An additive float mask: CPU SDPA kernels run it markedly faster than a boolean one at decode shapes.
-            mask=torch.zeros(visible.shape, dtype=dtype, device=dev).masked_fill_(~visible, float("-inf"))[:, None],
+            mask=mask,
             rows=rows.to(dev)[:, None],
             flat=flat_cpu.reshape(-1).to(dev, non_blocking=True),
             attend_len=end,
