@@ -140,21 +140,33 @@ def _target_first_token_probs(target: Transformer, prompt: bytes) -> torch.Tenso
     return torch.softmax(target(toks)[0, -1].double(), -1)
 
 
-def test_sampling_preserves_target_distribution_end_to_end(pair) -> None:
+def _first_tokens_against_target(
+    pair: tuple[Transformer, Transformer], policy: Callable[[str, int, int], int], n_types: int, seed: int
+) -> tuple[RoundRecord, float]:
+    """One round of 3,000 one-token requests (request type ``j % n_types``) at T=1.0 under ``policy``.
+
+    Returns the round and the total-variation distance between the first tokens and the target's distribution.
+    """
     target, draft = pair
     prompt, n = b"ab", 3000
     p = _target_first_token_probs(target, prompt)
-    eng = SpecEngine(target, draft, EngineConfig(max_batch=n, max_context=32, k_max=4, seed=5), "t", "d")
+    eng = SpecEngine(target, draft, EngineConfig(max_batch=n, max_context=32, k_max=4, seed=seed), "t", "d")
     for j in range(n):
-        eng.submit(Request(str(j), "code", prompt, 1, temperature=1.0, stop_at_eos=False))
-    rec = eng.step(lambda t, b, c: 4)
-    assert rec is not None and sum(row.accepted for row in rec.rows) > 0
+        eng.submit(Request(str(j), str(j % n_types), prompt, 1, temperature=1.0, stop_at_eos=False))
+    rec = eng.step(policy)
+    assert rec is not None
     first = torch.tensor([c.output[0] for c in eng.pop_finished()])
     emp = torch.bincount(first, minlength=p.numel()).double() / n
+    return rec, float(0.5 * (emp - p).abs().sum())
+
+
+def test_sampling_preserves_target_distribution_end_to_end(pair) -> None:
+    rec, tv = _first_tokens_against_target(pair, lambda t, b, c: 4, n_types=1, seed=5)
+    assert sum(row.accepted for row in rec.rows) > 0
     # Only tokens with real mass matter for the bound; 3000 samples give a TV sampling error of ~0.05 here.
-    assert float(0.5 * (emp - p).abs().sum()) < 0.12
-    q = _target_first_token_probs(draft, prompt)
-    assert float(0.5 * (q - p).abs().sum()) > 0.0
+    assert tv < 0.12
+    p, q = (_target_first_token_probs(m, b"ab") for m in pair)
+    assert float(0.5 * (q - p).abs().sum()) > 0.0  # the draft really differs: acceptance did the correcting
 
 
 def test_swap_target_keeps_requests(pair) -> None:
@@ -285,17 +297,9 @@ def test_draft_step_j_runs_only_rows_with_k_above_j(pair) -> None:
 
 
 def test_mixed_per_row_k_sampling_preserves_target_distribution(pair) -> None:
-    # Exactness under packing: rows with k from 0 to 4 share every round; the first token of each row must still
+    # Exactness under packing: rows with k from 0 to 4 share the round; the first token of each row must still
     # follow the target's distribution.
-    target, draft = pair
-    prompt, n = b"ab", 3000
-    p = _target_first_token_probs(target, prompt)
-    eng = SpecEngine(target, draft, EngineConfig(max_batch=n, max_context=32, k_max=4, seed=7), "t", "d")
-    for j in range(n):
-        eng.submit(Request(str(j), str(j % 5), prompt, 1, temperature=1.0, stop_at_eos=False))
-    rec = eng.step(lambda t, b, c: int(t))
-    assert rec is not None and {row.k for row in rec.rows} == {0, 1, 2, 3, 4}
+    rec, tv = _first_tokens_against_target(pair, lambda t, b, c: int(t), n_types=5, seed=7)
+    assert {row.k for row in rec.rows} == {0, 1, 2, 3, 4}
     assert rec.tokens_verified == sum(row.k + 1 for row in rec.rows)
-    first = torch.tensor([c.output[0] for c in eng.pop_finished()])
-    emp = torch.bincount(first, minlength=p.numel()).double() / n
-    assert float(0.5 * (emp - p).abs().sum()) < 0.12
+    assert tv < 0.12
