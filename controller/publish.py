@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 import redis
 from redis.exceptions import RedisError
@@ -136,27 +137,28 @@ class RedisPublisher(Publisher):
                 "check that Redis is running; the sidecar retries on its next tick"
             ) from e
 
-    def current(self) -> PolicyTable | None:
+    def _read(self, read: Callable[[], Any]) -> Any:
+        """One read of the policy key, Redis errors translated; the raw value, None when the key is absent."""
         try:
-            raw = self._r.get(self.key)
+            return read()
         except (RedisError, OSError) as e:
             raise TransportError(f"reading {self.key} from Redis at {self._shown} failed: {e}") from e
+
+    def current(self) -> PolicyTable | None:
+        raw = self._read(lambda: self._r.get(self.key))
         if raw is None:
             return None
         try:
-            return policy_table_from_json(raw)  # type: ignore[arg-type]
+            return policy_table_from_json(raw)
         except RecordError:
             return None  # garbage there: our next publish overwrites it
 
     def current_version(self) -> int | None:
-        try:
-            raw = self._version_script(keys=[self.key])
-        except (RedisError, OSError) as e:
-            raise TransportError(f"reading {self.key} from Redis at {self._shown} failed: {e}") from e
+        raw = self._read(lambda: self._version_script(keys=[self.key]))
         if raw is None:
             return None
         try:
-            return int(raw)  # type: ignore[arg-type]
+            return int(raw)
         except (TypeError, ValueError):
             return None  # not an integer (inf, nan): not a table of ours; treated as junk
 
