@@ -46,6 +46,7 @@ from telemetry.records import WindowBatch
 from telemetry.store import Store, upgrade
 from telemetry.synthetic import SyntheticConfig, synthetic_rounds
 from telemetry.transport import RedisConfig, RedisStreamsTransport, encode_batch
+from telemetry.urls import redact_url
 
 EMITTER_TARGET_FRACTION = 0.01  # issue 3: the emitter costs at most 1% of a plain decode step
 INGEST_TARGET_RECORDS_PER_S = 50_000  # issue 3: round records/s into PostgreSQL by one process
@@ -209,7 +210,7 @@ def _pg_schema_url(pg_url: str) -> tuple[str, Callable[[], None]] | str:
         with eng.begin() as c:
             c.execute(text(f'CREATE SCHEMA "{schema}"'))
     except Exception as e:
-        return f"PostgreSQL unusable at {pg_url}: {type(e).__name__}"
+        return f"PostgreSQL unusable at {redact_url(pg_url)}: {type(e).__name__}"
 
     def drop() -> None:
         with eng.begin() as c:

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from telemetry.urls import redact_url
+
 EXIT_USAGE = 2  # bad arguments and expected failures, as argparse uses
 BENCHES = ("engine", "telemetry", "policies", "controller")
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -335,7 +337,9 @@ def _redis_table(url: str, prefix: str) -> Any:
     try:
         raw = redis.Redis.from_url(url, socket_connect_timeout=2).get(policy_key(prefix))
     except (redis.RedisError, ValueError) as e:
-        raise CLIError(f"cannot read {policy_key(prefix)} from Redis at {_shown(url)} ({e}); is Redis running?") from e
+        raise CLIError(
+            f"cannot read {policy_key(prefix)} from Redis at {redact_url(url)} ({e}); is Redis running?"
+        ) from e
     return json.loads(raw) if raw else None
 
 
@@ -395,13 +399,11 @@ def _check_redis(url: str) -> None:
     try:
         redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1).ping()
     except (redis.RedisError, ValueError, OSError) as e:
-        raise CLIError(f"Redis at {_shown(url)} does not answer ({e}); start redis-server or pass --redis-url") from e
+        raise CLIError(
+            f"Redis at {redact_url(url)} does not answer ({e}); start redis-server or pass --redis-url"
+        ) from e
 
 
-def _shown(url: str) -> str:
-    from telemetry.transport import _hide_password
-
-    return _hide_password(url)
 
 
 if __name__ == "__main__":

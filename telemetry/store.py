@@ -108,10 +108,6 @@ class Pin:
 
 
 # ------------------------------------------------------------------------------------------ engines / urls
-def _shown(url: str) -> str:
-    return redact_url(url)
-
-
 def create_db_engine(url: str) -> Engine:
     """An SQLAlchemy engine for ``url``; SQLite gets WAL, a busy timeout and foreign keys on.
 
@@ -137,7 +133,7 @@ def create_db_engine(url: str) -> Engine:
             return eng
         return create_engine(u, pool_pre_ping=True)
     except (ArgumentError, ImportError, SQLAlchemyError) as e:
-        raise StoreError(f"cannot open database {_shown(url)}: {e}") from e
+        raise StoreError(f"cannot open database {redact_url(url)}: {e}") from e
 
 
 # ----------------------------------------------------------------------------------------------- Alembic
@@ -166,7 +162,7 @@ def current_revision(url: str) -> str | None:
         with eng.connect() as conn:
             return MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
     except SQLAlchemyError as e:
-        raise StoreError(f"cannot read the schema revision of {_shown(url)}: {e}") from e
+        raise StoreError(f"cannot read the schema revision of {redact_url(url)}: {e}") from e
     finally:
         eng.dispose()
 
@@ -187,7 +183,7 @@ def _run_alembic(url: str, fn: Any) -> None:
         with eng.begin() as conn:
             fn(alembic_config(connection=conn))
     except SQLAlchemyError as e:
-        raise StoreError(f"migrating {_shown(url)} failed: {e}") from e
+        raise StoreError(f"migrating {redact_url(url)} failed: {e}") from e
     finally:
         eng.dispose()
 
@@ -198,8 +194,8 @@ def check(url: str) -> None:
     if cur != head:
         state = "is empty (no spectune schema)" if cur is None else f"is at revision {cur}"
         raise SchemaOutOfDateError(
-            f"database {_shown(url)} {state}, this build needs {head}. "
-            f"Please run `{UPGRADE_HINT.format(url=_shown(url))}`."
+            f"database {redact_url(url)} {state}, this build needs {head}. "
+            f"Please run `{UPGRADE_HINT.format(url=redact_url(url))}`."
         )
 
 

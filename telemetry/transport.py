@@ -416,6 +416,3 @@ def _entries(raw: Any) -> list[Entry]:
         out.append((sid, payload))
     return out
 
-
-# The one redaction helper lives in telemetry.urls; this name stays for callers that import it from here.
-_hide_password = redact_url
