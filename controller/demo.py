@@ -22,13 +22,14 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from controller.client import ClientConfig, EngineHooks, PolicyClient
+from controller.demo_log import RoundLog, RowLog, RunLog
 from controller.publish import CallbackPublisher, Publisher, RedisPublisher
-from controller.sidecar import PublishedVersion, Sidecar, SidecarConfig
+from controller.sidecar import Sidecar, SidecarConfig
 from controller.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled, warm_up
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.ingest import ConsumerConfig
@@ -66,26 +67,9 @@ class DemoConfig:
             raise ValueError(f"--static-k must be in [0, k_max={self.k_max}]")
 
 
-@dataclass
-class RunLog:
-    """What one run did, round by round (compact tuples: the plots and tables read these)."""
-
-    name: str
-    # (t, phase index, target version, batch size, max context, max k, emitted, wall s)
-    rounds: list[tuple[float, int, str, int, int, int, int, float]] = field(default_factory=list)
-    # (t, phase index, target version, request type, k, accepted, emitted)
-    rows: list[tuple[float, int, str, str, int, int, int]] = field(default_factory=list)
-    wall_s: float = 0.0
-    history: list[PublishedVersion] = field(default_factory=list)
-    started_at: float = 0.0  # wall clock (time.time) at the start of the workload
-
-    def tokens(self, phase: int | None = None) -> int:
-        return sum(r[6] for r in self.rounds if phase is None or r[1] == phase)
-
-
-def cell_of(r: tuple[float, int, str, int, int, int, int, float]) -> tuple[str, int, str]:
+def cell_of(r: RoundLog) -> tuple[str, int, str]:
     """(target version, batch bucket, context bucket) of a logged round."""
-    return r[2], DEFAULT_BUCKETS.batch_bucket(r[3]), DEFAULT_BUCKETS.context_bucket(r[4])
+    return r.target_version, DEFAULT_BUCKETS.batch_bucket(r.batch_size), DEFAULT_BUCKETS.context_bucket(r.max_context)
 
 
 def best_per_cell(logs: Sequence[RunLog]) -> dict[tuple[str, int, str], tuple[int, float]]:
@@ -93,9 +77,9 @@ def best_per_cell(logs: Sequence[RunLog]) -> dict[tuple[str, int, str], tuple[in
     acc: dict[tuple[tuple[str, int, str], int], list[float]] = {}
     for log in logs:
         for r in log.rounds:
-            a = acc.setdefault((cell_of(r), r[5]), [0, 0.0, 0])
-            a[0] += r[6]
-            a[1] += r[7]
+            a = acc.setdefault((cell_of(r), r.max_k), [0, 0.0, 0])
+            a[0] += r.emitted
+            a[1] += r.wall_s
             a[2] += 1
     best: dict[tuple[str, int, str], tuple[int, float]] = {}
     for (cell, k), (tok, secs, n) in acc.items():
@@ -146,9 +130,10 @@ def _play(name: str, eng: _Engine, phases: Sequence[Phase], decide: Callable[[st
         if hooks is not None:
             hooks.record(r)
         pi = phase_index[id(phase)]
-        log.rounds.append((t, pi, r.target_version, r.batch_size, r.max_context, r.max_k, r.emitted, r.wall_s))
+        log.rounds.append(RoundLog(t, pi, r.target_version, r.batch_size, r.max_context, r.max_k, r.emitted,
+                                   r.wall_s))
         for row in r.rows:
-            log.rows.append((t, pi, r.target_version, row.request_type, row.k, row.accepted, row.emitted))
+            log.rows.append(RowLog(t, pi, r.target_version, row.request_type, row.k, row.accepted, row.emitted))
         progress(log, pi, t)
 
     fn = decide if decide is not None else hooks.decide if hooks is not None else None
@@ -239,10 +224,10 @@ def run_demo(cfg: DemoConfig) -> Path:
                 if t - last[0] < 0.25:
                     return
                 last[0] = t
-                recent = [r for r in log.rounds[-300:] if r[0] > t - 2.0]
-                tps = sum(r[6] for r in recent) / max(1e-9, t - recent[0][0]) if len(recent) > 1 else 0.0
+                recent = [r for r in log.rounds[-300:] if r.t > t - 2.0]
+                tps = sum(r.emitted for r in recent) / max(1e-9, t - recent[0].t) if len(recent) > 1 else 0.0
                 ver = f"  policy v{live[0].version}" if live and log.name == "learned" else ""
-                info = f"{phases[pi].name:<13} batch {log.rounds[-1][3]:>2} {tps:6.0f} tok/s{ver}"
+                info = f"{phases[pi].name:<13} batch {log.rounds[-1].batch_size:>2} {tps:6.0f} tok/s{ver}"
                 prog.update(task, completed=min(t, total), info=info)
 
             return cb
@@ -263,7 +248,7 @@ def run_demo(cfg: DemoConfig) -> Path:
         logs.append(_play_best(cfg, eng, phases, run_dir, {c: k for c, (k, _) in best.items()}, progress_for(task)))
         prog.update(task, completed=total)
 
-    write_report(run_dir, cfg, phases, logs, sidecar, best, console, m.target_v2_version)
+    write_report(run_dir, cfg.static_k, phases, logs, sidecar, best, console, m.target_v2_version)
     return run_dir
 
 
@@ -279,7 +264,7 @@ def _play_best(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: 
 
     def track(log: RunLog, pi: int, t: float) -> None:
         if log.rounds:
-            engine_versions["v"] = log.rounds[-1][2]
+            engine_versions["v"] = log.rounds[-1].target_version
         progress(log, pi, t)
 
     return _live_run(cfg, eng, phases, run_dir, "best per bucket (hindsight)", track, decide)[0]

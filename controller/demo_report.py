@@ -16,7 +16,7 @@ from telemetry.records import REQUEST_TYPES, Bucket
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from controller.demo import DemoConfig, RunLog
+    from controller.demo_log import RunLog
     from controller.sidecar import Sidecar
     from controller.workload import Phase
 
@@ -43,10 +43,11 @@ def acceptance_rows(log: RunLog, update_version: str) -> list[list[str]]:
     for rt in REQUEST_TYPES:
         cells = []
         for after in (False, True):
-            sel = [r for r in log.rows if r[3] == rt and r[4] > 0 and (r[2] == update_version) == after]
-            drafted = sum(r[4] for r in sel)
-            cells += [f"{sum(r[5] for r in sel) / drafted:.2f}" if drafted else "-",
-                      f"{sum(r[6] for r in sel) / len(sel):.2f}" if sel else "-"]
+            sel = [r for r in log.rows
+                   if r.request_type == rt and r.k > 0 and (r.target_version == update_version) == after]
+            drafted = sum(r.k for r in sel)
+            cells += [f"{sum(r.accepted for r in sel) / drafted:.2f}" if drafted else "-",
+                      f"{sum(r.emitted for r in sel) / len(sel):.2f}" if sel else "-"]
         out.append([rt, *cells])
     return out
 
@@ -138,7 +139,8 @@ def _plots(run_dir: Path, phases: Sequence[Phase], logs: Sequence[RunLog], updat
     fig, ax = plt.subplots(figsize=(9, 3.6))
     for log in logs:
         if log.rounds:
-            ax.plot(mids, binned([r[0] for r in log.rounds], [r[6] for r in log.rounds]) / step, label=log.name)
+            ax.plot(mids, binned([r.t for r in log.rounds], [r.emitted for r in log.rounds]) / step,
+                    label=log.name)
     shade(ax)
     ax.set(xlabel="seconds into the workload", ylabel="tokens / s", title="Throughput, same workload per run")
     ax.legend(fontsize=8)
@@ -150,9 +152,10 @@ def _plots(run_dir: Path, phases: Sequence[Phase], logs: Sequence[RunLog], updat
     learned = logs[0]
     fig, ax = plt.subplots(figsize=(9, 3.6))
     for rt in REQUEST_TYPES:
-        sel = [r for r in learned.rows if r[3] == rt and r[4] > 0]
+        sel = [r for r in learned.rows if r.request_type == rt and r.k > 0]
         if sel:
-            ax.plot(mids, binned([r[0] for r in sel], [r[5] for r in sel], [r[4] for r in sel]), ".-", ms=4, label=rt)
+            ax.plot(mids, binned([r.t for r in sel], [r.accepted for r in sel], [r.k for r in sel]), ".-", ms=4,
+                    label=rt)
     shade(ax)
     ax.set(xlabel="seconds into the workload", ylabel="accepted / drafted", ylim=(0, 1),
            title="Acceptance rate per request type (learned run; dashed line: model update)")
@@ -164,9 +167,9 @@ def _plots(run_dir: Path, phases: Sequence[Phase], logs: Sequence[RunLog], updat
 
     fig, ax = plt.subplots(figsize=(9, 3.6))
     for rt in REQUEST_TYPES:
-        sel = [r for r in learned.rows if r[3] == rt]
+        sel = [r for r in learned.rows if r.request_type == rt]
         if sel:
-            ax.plot(mids, binned([r[0] for r in sel], [r[4] for r in sel], [1.0] * len(sel)), ".-", ms=4, label=rt)
+            ax.plot(mids, binned([r.t for r in sel], [r.k for r in sel], [1.0] * len(sel)), ".-", ms=4, label=rt)
     ax.axhline(static_k, color="0.5", ls=":", label=f"static k={static_k}")
     shade(ax)
     ax.set(xlabel="seconds into the workload", ylabel="mean k per row (0 = off)",
@@ -185,7 +188,7 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_report(run_dir: Path, cfg: DemoConfig, phases: Sequence[Phase], logs: Sequence[RunLog],
+def write_report(run_dir: Path, static_k: int, phases: Sequence[Phase], logs: Sequence[RunLog],
                  sidecar: Sidecar, best: dict[tuple[str, int, str], tuple[int, float]], console: Console,
                  update_version: str) -> None:
     """Print the summary tables and write ``summary.md`` and the PNG plots into ``run_dir``."""
@@ -225,17 +228,17 @@ def write_report(run_dir: Path, cfg: DemoConfig, phases: Sequence[Phase], logs: 
         console.print("The learned policy never switched speculation off for a bucket in this run.")
     overall = [log.tokens() for log in logs]
     if overall[1]:
-        console.print(f"learned vs static k={cfg.static_k}: [bold]{overall[0] / overall[1]:.2f}x[/] tokens; "
+        console.print(f"learned vs static k={static_k}: [bold]{overall[0] / overall[1]:.2f}x[/] tokens; "
                       f"vs best per bucket (hindsight): {overall[0] / max(1, overall[2]):.2f}x. "
                       f"Sidecar: {h['windows_ingested']} window batches, {sidecar.version} policy versions, "
                       f"{sum(h['rejected'].values())} rejected records.")
 
-    files = _plots(run_dir, phases, logs, update_at, cfg.static_k)
+    files = _plots(run_dir, phases, logs, update_at, static_k)
     md = [
         "# spectune demo",
         "",
         "The reference engine decoded the same mixed workload three times: with k learned live by the sidecar "
-        f"(goodput policy, starting from nothing), with a static k={cfg.static_k}, and with the best k per "
+        f"(goodput policy, starting from nothing), with a static k={static_k}, and with the best k per "
         "(model version, batch bucket, context bucket) measured in the first two runs (hindsight). Load rose to "
         "a large batch and fell, long-context requests arrived, and the target model was updated "
         f"{'at t=' + format(update_at, '.0f') + 's' if update_at is not None else 'never'}.",

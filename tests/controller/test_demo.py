@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from controller import demo
+from controller.demo_log import RoundLog, RunLog
+from telemetry.records import DEFAULT_BUCKETS
 
 
 def test_quick_demo_writes_its_report(tmp_path: Path, checkpoints: Path, prompt_cache: Path,
@@ -25,3 +27,18 @@ def test_quick_demo_writes_its_report(tmp_path: Path, checkpoints: Path, prompt_
                     "## Speculation turned off / on", "## Policy versions"):
         assert heading in summary
     assert "| overall |" in summary and "- v1 at t=" in summary
+
+
+def test_best_per_cell_reads_rounds_by_name() -> None:
+    # Two ks in one cell: k=4 emits more per second than k=2; a third k has too few rounds to be picked.
+    def rnd(k: int, emitted: int, phase: int = 0) -> RoundLog:
+        return RoundLog(t=0.0, phase=phase, target_version="target-v1", batch_size=4, max_context=100, max_k=k,
+                        emitted=emitted, wall_s=0.1)
+
+    log = RunLog("x", rounds=[*(rnd(2, 10) for _ in range(3)), *(rnd(4, 20, phase=1) for _ in range(3)),
+                              *(rnd(6, 90) for _ in range(demo.MIN_ROUNDS_FOR_BEST - 1))])
+    cell = demo.cell_of(log.rounds[0])
+    assert cell == ("target-v1", DEFAULT_BUCKETS.batch_bucket(4), DEFAULT_BUCKETS.context_bucket(100))
+    assert demo.best_per_cell([log]) == {cell: (4, pytest.approx(200.0))}
+    few = 90 * (demo.MIN_ROUNDS_FOR_BEST - 1)
+    assert (log.tokens(), log.tokens(0), log.tokens(1)) == (30 + 60 + few, 30 + few, 60)
