@@ -283,13 +283,26 @@ MIXES = {  # request mixes of the workload (fractions of rows per type)
     "balanced": {"code": 0.4, "prose": 0.4, "structured": 0.2},
     "code_heavy": {"code": 0.7, "prose": 0.1, "structured": 0.2},
 }
-PHASES = (  # (name, share of rounds, batch sizes, P(long context), mix, target version)
-    ("low load", 0.10, (1, 4), 0.0, "balanced", BASE_VERSION),
-    ("load rising", 0.15, (4, 16, 64), 0.0, "balanced", BASE_VERSION),
-    ("long contexts arrive", 0.15, (1, 16, 64), 0.6, "balanced", BASE_VERSION),
-    ("mix turns code-heavy", 0.15, (1, 4, 16, 32, 64), 0.3, "code_heavy", BASE_VERSION),
-    ("load falling", 0.10, (1, 4), 0.2, "code_heavy", BASE_VERSION),
-    ("model update", 0.35, (1, 4, 16, 64), 0.4, "balanced", "target-v2"),
+@dataclass(frozen=True, slots=True)
+class SimPhase:
+    """A stretch of the simulated workload (its length a share of rounds, not seconds as in
+    :class:`controller.workload.Phase`, which a real engine plays)."""
+
+    name: str
+    share: float  # fraction of the workload's rounds
+    batch_sizes: tuple[int, ...]  # loads visited in seeded shuffled cycles
+    p_long: float  # probability that a stretch of windows runs at long context
+    mix: str  # a key of MIXES
+    version: str  # BASE_VERSION, or anything else for the updated target (workload's ``update_version``)
+
+
+PHASES = (
+    SimPhase("low load", 0.10, (1, 4), 0.0, "balanced", BASE_VERSION),
+    SimPhase("load rising", 0.15, (4, 16, 64), 0.0, "balanced", BASE_VERSION),
+    SimPhase("long contexts arrive", 0.15, (1, 16, 64), 0.6, "balanced", BASE_VERSION),
+    SimPhase("mix turns code-heavy", 0.15, (1, 4, 16, 32, 64), 0.3, "code_heavy", BASE_VERSION),
+    SimPhase("load falling", 0.10, (1, 4), 0.2, "code_heavy", BASE_VERSION),
+    SimPhase("model update", 0.35, (1, 4, 16, 64), 0.4, "balanced", "target-v2"),
 )
 
 
@@ -319,20 +332,20 @@ def workload(types: Sequence[str], total_rounds: int, seed: int, window_rounds: 
 
     out: list[WindowSpec] = []
     lo, hi = stretch
-    for _, share, batches, p_long, m, ver in PHASES:
-        version = update_version if ver != BASE_VERSION else ver
-        n_windows = max(1, round(share * total_rounds / window_rounds))
+    for ph in PHASES:
+        version = update_version if ph.version != BASE_VERSION else ph.version
+        n_windows = max(1, round(ph.share * total_rounds / window_rounds))
         cycle: list[int] = []
         while n_windows > 0:
             run = min(n_windows, int(rng.integers(lo, hi + 1)))  # load stays put for a few windows at a time
             if not cycle:  # batch sizes in seeded shuffled cycles: a short run still visits each of the phase's
-                cycle = [int(b) for b in rng.permutation(batches)]
-            bsz, ctx = cycle.pop(), "long" if rng.random() < p_long else "short"
+                cycle = [int(b) for b in rng.permutation(ph.batch_sizes)]
+            bsz, ctx = cycle.pop(), "long" if rng.random() < ph.p_long else "short"
             if batch_cap is not None:
                 bsz = min(bsz, batch_cap)
             if ctx == "long" and long_batch_cap is not None:
                 bsz = min(bsz, long_batch_cap)
-            out.extend([WindowSpec(bsz, ctx, mix(m), version)] * run)
+            out.extend([WindowSpec(bsz, ctx, mix(ph.mix), version)] * run)
             n_windows -= run
     return out
 
@@ -344,8 +357,8 @@ def describe_workload(specs: Sequence[WindowSpec], types: Sequence[str]) -> dict
         key = f"{s.version}|batch {s.batch_size}|{s.context}"
         cells[key] = cells.get(key, 0) + 1
     return {
-        "phases": [{"name": n, "share": sh, "batch_sizes": list(b), "p_long": pl, "mix": MIXES[m], "version": v}
-                   for n, sh, b, pl, m, v in PHASES],
+        "phases": [{"name": p.name, "share": p.share, "batch_sizes": list(p.batch_sizes), "p_long": p.p_long,
+                    "mix": MIXES[p.mix], "version": p.version} for p in PHASES],
         "types": list(types),
         "windows": len(specs),
         "window_share": {k: round(v / len(specs), 4) for k, v in sorted(cells.items())},
