@@ -240,55 +240,51 @@ def test_memory_report(pair) -> None:
     assert rep["target_kv_bytes"] > 0 and rep["draft_weight_bytes"] > 0
 
 
-def _count_linear_tokens(model: Transformer) -> tuple[list[int], list[torch.utils.hooks.RemovableHandle]]:
-    """Hook every linear layer of ``model``: the list collects how many token vectors each call received."""
+def _linear_calls_in_one_round(
+    pair: tuple[Transformer, Transformer], ks: list[int], watch: Transformer
+) -> tuple[RoundRecord, list[int]]:
+    """Rows ``type0..`` decode one round at per-row ``ks`` (after an admission round at k = 2).
+
+    Returns the measured round and, for every call of a linear layer of ``watch`` during it, how many token
+    vectors that call received.
+    """
+    target, draft = pair
+    eng = SpecEngine(target, draft, EngineConfig(max_batch=len(ks), max_context=128, k_max=8), "t", "d")
+    for j in range(len(ks)):
+        assert eng.submit(Request(str(j), f"type{j}", b"abc", 40, temperature=0.0))
+    eng.step(lambda t, b, c: 2)  # admission (prefill) happens here; the next round is the one measured
     seen: list[int] = []
     handles = [
         m.register_forward_hook(lambda _m, inp, _out: seen.append(inp[0].shape[:-1].numel()))
-        for m in model.modules()
+        for m in watch.modules()
         if isinstance(m, torch.nn.Linear)
     ]
-    return seen, handles
-
-
-def test_verification_is_packed_linear_layers_see_only_real_tokens(pair) -> None:
-    # A round with per-row k of 0, 1, 3 and 8 must cost the target's token-wise layers sum(k + 1) = 16 tokens
-    # per linear, not 4 x (8 + 1) = 36 as a padded implementation would.
-    target, draft = pair
-    ks = [0, 1, 3, 8]
-    eng = SpecEngine(target, draft, EngineConfig(max_batch=4, max_context=128, k_max=8), "t", "d")
-    for j in range(4):
-        assert eng.submit(Request(str(j), f"type{j}", b"abc", 40, temperature=0.0))
-    eng.step(lambda t, b, c: 2)  # admission (prefill) happens here; the next round is the one measured
-    seen, handles = _count_linear_tokens(target)
     try:
         rec = eng.step(lambda t, b, c: ks[int(t[-1])])
     finally:
         for h in handles:
             h.remove()
-    assert rec is not None and sorted(row.k for row in rec.rows) == ks
+    assert rec is not None and sorted(row.k for row in rec.rows) == sorted(ks)
+    return rec, seen
+
+
+def test_verification_is_packed_linear_layers_see_only_real_tokens(pair) -> None:
+    # A round with per-row k of 0, 1, 3 and 8 must cost the target's token-wise layers sum(k + 1) = 16 tokens
+    # per linear, not 4 x (8 + 1) = 36 as a padded implementation would.
+    target = pair[0]
+    rec, seen = _linear_calls_in_one_round(pair, [0, 1, 3, 8], watch=target)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in target.modules())
     assert len(seen) == n_linear  # one verify forward
-    assert set(seen) == {sum(k + 1 for k in ks)}
+    assert set(seen) == {16}
     assert rec.tokens_verified == 16
 
 
 def test_draft_step_j_runs_only_rows_with_k_above_j(pair) -> None:
     # Draft step j (after the first) feeds only the rows with k > j: rows at k = 1, 3, 8 drafting in one round
     # make the later draft forwards 2 rows wide up to step 2 and 1 row wide after that.
-    target, draft = pair
+    draft = pair[1]
     ks = [1, 3, 8]
-    eng = SpecEngine(target, draft, EngineConfig(max_batch=3, max_context=128, k_max=8), "t", "d")
-    for j in range(3):
-        assert eng.submit(Request(str(j), f"type{j}", b"abc", 40, temperature=0.0))
-    eng.step(lambda t, b, c: 2)
-    seen, handles = _count_linear_tokens(draft)
-    try:
-        rec = eng.step(lambda t, b, c: ks[int(t[-1])])
-    finally:
-        for h in handles:
-            h.remove()
-    assert rec is not None
+    _, seen = _linear_calls_in_one_round(pair, ks, watch=draft)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in draft.modules())
     assert len(seen) == n_linear * max(ks)  # the first step (with the short catch-ups) plus kmax - 1 steps
     widths = seen[::n_linear]
