@@ -1,6 +1,6 @@
 """`spectune bench engine`: tokens/s of plain vs speculative decoding on the reference engine, side by side.
 
-Two profiles (``engine/checkpoint.py``): ``small`` (the trained 2.8M/0.4M pair) and ``xl`` (target-v1 widened 4x
+Two profiles (``engine/profiles.py``): ``small`` (the trained 2.8M/0.4M pair) and ``xl`` (target-v1 widened 4x
 function-preservingly: the same acceptance at a 43M model's cost, 107x the draft).
 
 **Uniform cells** (one request type, batch size, context): one engine is filled with real held-out prompts of
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import write_results
+from engine.profiles import PROFILE_NAMES, UNLABELLED_PROFILE
 
 RESULTS = Path(__file__).resolve().parent / "results"
 K_VALUES = tuple(range(0, 9))  # 0 = plain decoding
@@ -366,7 +367,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
     uniform = [c for c in doc["cells"] if c["request_type"] != MIXED]
     mixed = [c for c in doc["cells"] if c["request_type"] == MIXED]
-    panels = sorted({(c.get("profile", "small"), c["mode"], c["context"]) for c in uniform},
+    panels = sorted({(c.get("profile", UNLABELLED_PROFILE), c["mode"], c["context"]) for c in uniform},
                     key=lambda p: (p[0] != "xl", p[1], list(CONTEXTS).index(p[2])))
     ncols = len(REQUEST_TYPES) + (1 if mixed else 0)
     fig, axes = plt.subplots(len(panels), ncols, figsize=(4.2 * ncols, 3.2 * len(panels)), squeeze=False)
@@ -374,7 +375,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         for j, rtype in enumerate(REQUEST_TYPES):
             ax = axes[i][j]
             for cell in uniform:
-                if (cell.get("profile", "small"), cell["mode"], cell["context"], cell["request_type"]) != (
+                if (cell.get("profile", UNLABELLED_PROFILE), cell["mode"], cell["context"], cell["request_type"]) != (
                         profile, mode, ctx, rtype):
                     continue
                 ks = [0, *(int(k) for k in cell["spec_tok_s"])]
@@ -422,8 +423,8 @@ def print_table(doc: dict[str, Any]) -> None:
     for c in doc["cells"]:
         if c["request_type"] == MIXED:
             continue
-        t.add_row(c.get("profile", "small"), c["mode"], c["request_type"], str(c["batch_size"]), c["context"],
-                  f"{c['plain_tok_s']:.1f}", str(c["best_k"]), f"{c['best_speedup']:.2f}",
+        t.add_row(c.get("profile", UNLABELLED_PROFILE), c["mode"], c["request_type"], str(c["batch_size"]),
+                  c["context"], f"{c['plain_tok_s']:.1f}", str(c["best_k"]), f"{c['best_speedup']:.2f}",
                   f"{c['mean_accept_len'].get('4', 0):.2f}")
     Console().print(t)
     m = Table(title="mixed batches (one third each type): best uniform k vs best k per type, measured side by side")
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="spectune bench engine", description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, default=RESULTS / "engine.json", help="where to write the results")
     ap.add_argument("--quick", action="store_true", help="a reduced plan that runs in under two minutes")
-    ap.add_argument("--profile", action="append", choices=("small", "xl"), default=None,
+    ap.add_argument("--profile", action="append", choices=PROFILE_NAMES, default=None,
                     help="measure only this profile (repeatable; default: both)")
     ap.add_argument("--checkpoints", default=None, help="checkpoint folder (default: the shipped checkpoints)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

@@ -66,12 +66,10 @@ from bench.simulator import (
     to_jsonable,
     workload,
 )
+from engine.profiles import DEFAULT_PROFILE, PROFILE_NAMES
 from policies import REGISTRY, BatchTablePolicy, Policy, StaticPolicy
 from policies.base import Decision
 from telemetry.records import DEFAULT_BUCKETS, REQUEST_TYPES, Bucket
-
-# engine.checkpoint.DEFAULT_PROFILE, named here rather than imported: the simulator section runs without torch.
-DEFAULT_PROFILE = "xl"
 
 K_MAX = 8
 ROLLING = 3  # windows averaged when checking "reached 90% of oracle"
@@ -594,7 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--calibration", default="bench/results/engine.json")
     ap.add_argument("--checkpoints", default=None, help="checkpoint folder for the engine section (default: shipped)")
     ap.add_argument("--no-engine", action="store_true", help="simulator section only")
-    ap.add_argument("--profile", default=DEFAULT_PROFILE, choices=("small", "xl"),
+    ap.add_argument("--profile", default=DEFAULT_PROFILE, choices=PROFILE_NAMES,
                     help="the target/draft pair: calibration cells and engine (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

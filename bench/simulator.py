@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.profiles import UNLABELLED_PROFILE
 from policies.base import Policy
 from telemetry.records import DEFAULT_BUCKETS, AcceptanceWindow, Bucket, CostWindow, Stat
 
@@ -84,11 +85,11 @@ class Calibration:
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CalibrationError(f"cannot read calibration {path}: {e!r}; run the engine benchmark first "
                                    "or pass --calibration tests/policies/fixture_engine.json") from e
-        profiles = sorted({c.get("profile", "small") for c in cells})
+        profiles = sorted({c.get("profile", UNLABELLED_PROFILE) for c in cells})
         if profile is None and len(profiles) > 1:
             raise CalibrationError(f"{path} holds the profiles {profiles}: choose one (--profile)")
         if profile is not None:
-            cells = [c for c in cells if c.get("profile", "small") == profile]
+            cells = [c for c in cells if c.get("profile", UNLABELLED_PROFILE) == profile]
         if not cells:
             raise CalibrationError(f"{path} has no {mode!r} cells" + (f" for profile {profile!r}" if profile else ""))
         self.profile = profile or profiles[0]

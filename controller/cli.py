@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from engine.profiles import DEFAULT_PROFILE, PROFILE_HELP, PROFILE_NAMES
 from telemetry.urls import redact_url
 
 EXIT_USAGE = 2  # bad arguments and expected failures, as argparse uses
@@ -63,8 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="spectune")
     p.add_argument("--engine-id", default=f"engine-{os.getpid()}")
     p.add_argument("--checkpoints", type=Path, default=None, help="checkpoint folder (default: shipped)")
-    p.add_argument("--profile", choices=("small", "xl"), default="xl",
-                   help="xl: target-v1 widened 4x (a 43M model's cost, the same predictions); small: as trained")
+    p.add_argument("--profile", choices=PROFILE_NAMES, default=DEFAULT_PROFILE, help=PROFILE_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--workload", default="steady", help="demo or steady")
     p.add_argument("--duration", type=float, default=None, help="seconds to run (default: the workload's length)")

@@ -31,6 +31,7 @@ from controller.demo_log import RoundLog, RowLog, RunLog
 from controller.publish import CallbackPublisher, Publisher, RedisPublisher
 from controller.sidecar import Sidecar, SidecarConfig
 from controller.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled, warm_up
+from engine.profiles import DEFAULT_PROFILE, PROFILE_HELP, PROFILE_NAMES, get_profile
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.ingest import ConsumerConfig
 from telemetry.records import DEFAULT_BUCKETS, RoundRecord
@@ -48,7 +49,7 @@ class DemoConfig:
 
     out_root: Path = Path("runs")  # the report goes to out_root/demo-YYYYmmdd-HHMMSS
     checkpoints: Path | None = None  # None: the shipped checkpoints
-    profile: str = "xl"  # target/draft pair (engine/checkpoint.py): xl = a large target's cost, small = as trained
+    profile: str = DEFAULT_PROFILE  # target/draft pair (engine/profiles.py): xl = a large target's cost
     device: str | None = None  # None: CUDA when present, else CPU
     redis_url: str | None = None  # None: in-process transport
     db_url: str | None = None  # None: SQLite file in the run folder
@@ -63,6 +64,7 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
             raise ValueError("time scale must be > 0")
+        get_profile(self.profile)  # a ValueError naming the profiles
         if not 0 <= self.static_k <= self.k_max:
             raise ValueError(f"--static-k must be in [0, k_max={self.k_max}]")
 
@@ -276,8 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-scale", type=float, default=None, help="multiply every phase's length")
     ap.add_argument("--out", type=Path, default=Path("runs"), help="the report folder goes under here")
     ap.add_argument("--checkpoints", type=Path, default=None, help="checkpoint folder (default: shipped)")
-    ap.add_argument("--profile", choices=("small", "xl"), default="xl",
-                    help="xl: target-v1 widened 4x (a 43M model's cost, the same predictions); small: as trained")
+    ap.add_argument("--profile", choices=PROFILE_NAMES, default=DEFAULT_PROFILE, help=PROFILE_HELP)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--redis-url", default=None, help="use Redis instead of the in-process transport")
     ap.add_argument("--db-url", default=None, help="use this database (e.g. PostgreSQL) instead of SQLite")

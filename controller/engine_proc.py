@@ -23,6 +23,7 @@ from typing import Any
 
 from controller.client import ClientConfig, EngineHooks, PolicyClient
 from controller.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled, warm_up
+from engine.profiles import DEFAULT_PROFILE, get_profile
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.records import MAX_NAME_LEN, RoundRecord
 from telemetry.transport import DEFAULT_PREFIX, RedisConfig, RedisStreamsTransport
@@ -37,7 +38,7 @@ class EngineProcConfig:
     redis_url: str  # windows out, policy in
     engine_id: str  # unique per engine process (idempotency key of its windows)
     checkpoints: Path | None = None  # None: the shipped checkpoints
-    profile: str = "xl"  # target/draft pair (engine/checkpoint.py): xl = a large target's cost, small = as trained
+    profile: str = DEFAULT_PROFILE  # target/draft pair (engine/profiles.py): xl = a large target's cost
     device: str | None = None  # None: CUDA when present, else CPU
     prefix: str = DEFAULT_PREFIX
     workload: str = "steady"  # a name in controller.workload.WORKLOADS
@@ -59,6 +60,7 @@ class EngineProcConfig:
             raise ValueError(f"engine id must be 1..{MAX_NAME_LEN} chars without '|', got {self.engine_id!r}")
         if self.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
+        get_profile(self.profile)  # a ValueError naming the profiles
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("duration must be > 0 seconds")
         if self.load is not None and not 1 <= self.load <= self.max_batch:

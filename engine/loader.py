@@ -1,6 +1,6 @@
 """Load a profile's models onto the best device: CUDA with bf16 when a GPU is present, else the CPU (fp32).
 
-A profile (``small`` or ``xl``, see :mod:`engine.checkpoint`) names the target/draft pair; the draft is draft-v1
+A profile (``small`` or ``xl``, see :mod:`engine.profiles`) names the target/draft pair; the draft is draft-v1
 in both, the target is target-v1 as trained (``small``) or widened function-preservingly (``xl``).
 """
 
@@ -13,17 +13,9 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint import (
-    CHECKPOINT_DIR,
-    DEFAULT_PROFILE,
-    DRAFT_V1,
-    MANIFEST,
-    TARGET_V1,
-    TARGET_V2,
-    get_profile,
-    load_checkpoint,
-)
+from engine.checkpoint import CHECKPOINT_DIR, DRAFT_V1, MANIFEST, TARGET_V1, TARGET_V2, build_target, load_checkpoint
 from engine.model import Transformer
+from engine.profiles import DEFAULT_PROFILE, get_profile
 
 
 @dataclass(frozen=True)
@@ -82,7 +74,7 @@ def load_models(
         )
 
     def target(name: str) -> Transformer:
-        return prof.build_target(name, d, choice.dtype).to(choice.device)
+        return build_target(prof, name, d, choice.dtype).to(choice.device)
 
     return Models(
         target=target(TARGET_V1),

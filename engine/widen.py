@@ -24,8 +24,6 @@ import torch
 
 from engine.model import ModelConfig, Transformer
 
-WIDEN_FACTOR_XL = 4  # target-v1 (6 x 192, 2.8M) -> 6 x 768, 12 heads of 64, FFN 2048: 42.9M parameters
-
 
 def widened_config(cfg: ModelConfig, r: int) -> ModelConfig:
     """The shape of ``cfg`` widened ``r`` times: width, heads and FFN times ``r``, head dim and depth unchanged."""

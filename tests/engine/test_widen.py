@@ -5,17 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.checkpoint import (
-    CHECKPOINT_DIR,
-    DRAFT_V1,
-    PROFILES,
-    TARGET_V1,
-    describe_profiles,
-    get_profile,
-    load_checkpoint,
-)
+from engine.checkpoint import CHECKPOINT_DIR, DRAFT_V1, TARGET_V1, build_target, describe_profiles, load_checkpoint
 from engine.loop import EngineConfig, Request, SpecEngine
 from engine.model import MODEL_PRESETS, Transformer
+from engine.profiles import PROFILES, get_profile
 from engine.widen import widen, widen_state, widened_config
 
 
@@ -55,7 +48,7 @@ def test_widen_state_is_pure_and_rejects_unknown_parameters() -> None:
 
 def test_xl_profile_is_target_v1_widened_4x_with_its_predictions() -> None:
     base = load_checkpoint(TARGET_V1)
-    xl = get_profile("xl").build_target(TARGET_V1, CHECKPOINT_DIR, torch.float32)
+    xl = build_target(get_profile("xl"), TARGET_V1, CHECKPOINT_DIR, torch.float32)
     assert (xl.cfg.n_layers, xl.cfg.d_model, xl.cfg.n_heads, xl.cfg.ffn_hidden) == (6, 768, 12, 2048)
     assert 42e6 < xl.num_params() < 44e6
     toks = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(1))
@@ -75,7 +68,7 @@ def test_greedy_decoding_on_the_xl_target_equals_the_small_target() -> None:
     draft = load_checkpoint(DRAFT_V1)
     outs = []
     for name in ("small", "xl"):
-        target = get_profile(name).build_target(TARGET_V1, CHECKPOINT_DIR, torch.float32)
+        target = build_target(get_profile(name), TARGET_V1, CHECKPOINT_DIR, torch.float32)
         eng = SpecEngine(target, draft, EngineConfig(max_batch=2, max_context=128, k_max=4), name, "d")
         for j, p in enumerate([b"def main(", b'{"id": 3, "na']):
             assert eng.submit(Request(str(j), "code", p, 24, temperature=0.0, stop_at_eos=False))
