@@ -420,7 +420,6 @@ class Transformer(nn.Module):
         pad = steps >= real_lens[:, None]  # [R, T]
         write_cpu = pos_cpu.masked_fill(pad, cache.capacity)  # padding writes land in the scratch slot
         rope_pos = pos_cpu.clamp(max=self.cfg.max_seq_len - 1)
-        pos = write_cpu.to(dev, non_blocking=True)  # [R, T] cache slot of each new token
         dtype = self.embed.weight.dtype
         rp = rope_pos.to(dev, non_blocking=True)
         mask = None
@@ -428,6 +427,7 @@ class Transformer(nn.Module):
             # Key j is visible to query (r, i) iff j <= pos[r, i]: the cached prefix plus causality within the
             # new tokens. Padding queries sit at the scratch index; their outputs are discarded. (One new token
             # per row with every row ending at ``end`` sees every key: no mask, the common decode step.)
+            pos = write_cpu.to(dev, non_blocking=True)  # [R, T] cache slot of each new token
             key_pos = torch.arange(end, device=dev)
             visible = key_pos[None, None, :] <= pos[:, :, None]  # [R, T, end]
             # An additive float mask: CPU SDPA kernels run it markedly faster than a boolean one at decode shapes.
