@@ -246,8 +246,7 @@ def _run_mixed(models: Any, sec: Section, bsz: int, seed: int) -> dict[str, Any]
                            "chosen": dict(triple)})
     # Plain, the best uniform k and the best triple side by side: rows grow longer during the search, so only
     # figures measured together compare (the sweep's are from shorter contexts).
-    final = rows.measure([dict.fromkeys(REQUEST_TYPES, 0), dict.fromkeys(REQUEST_TYPES, best_uniform), triple],
-                         final_reps, rng)
+    final = rows.measure([*_uniform([0, best_uniform]), triple], final_reps, rng)
     _release(rows)
     plain, uni_tok_s, per_type_tok_s = (_tok_s(m) for m in final)
     return {
@@ -336,15 +335,16 @@ def _run_section(models: Any, sec: Section, seed: int, bar: Any) -> list[dict[st
 
 
 def _memory(models: Any, batch: int) -> dict[str, Any]:
-    """Weights and KV cache of an engine at ``batch`` rows of the models' longest context."""
-    from engine.loop import EngineConfig, SpecEngine
-
+    """Weights and KV cache of an engine at ``batch`` rows of the models' longest context (computed, not
+    allocated: xl's cache at batch 64 is 4.8 GB)."""
     ctx = models.target.cfg.max_seq_len
-    eng = SpecEngine(models.target, models.draft, EngineConfig(max_batch=batch, max_context=ctx), "m", "m")
-    rep = {"batch_size": batch, "max_context": ctx, "target_params": models.target.num_params(),
-           "draft_params": models.draft.num_params(), **eng.memory_report()}
-    del eng
-    return rep
+    return {
+        "batch_size": batch, "max_context": ctx,
+        "target_params": models.target.num_params(), "draft_params": models.draft.num_params(),
+        "target_weight_bytes": models.target.weight_bytes(), "draft_weight_bytes": models.draft.weight_bytes(),
+        "target_kv_bytes": models.target.kv_cache_bytes(batch, ctx),
+        "draft_kv_bytes": models.draft.kv_cache_bytes(batch, ctx),
+    }
 
 
 def _version_acceptance(models: Any, plan: BenchPlan, bar: Any) -> dict[str, Any]:

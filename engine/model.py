@@ -350,6 +350,12 @@ class Transformer(nn.Module):
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
+    def kv_cache_bytes(self, batch_size: int, capacity: int) -> int:
+        """What :meth:`new_cache` would allocate, without allocating it (capacity + 1 slots: one is scratch)."""
+        p = next(self.parameters())
+        per_layer = 2 * batch_size * self.cfg.n_heads * (capacity + 1) * self.cfg.head_dim * p.element_size()
+        return self.cfg.n_layers * per_layer
+
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         if capacity > self.cfg.max_seq_len:  # rotary table bounds the positions a row may reach
             raise ValueError(f"cache capacity {capacity} exceeds the model's max_seq_len {self.cfg.max_seq_len}")

@@ -238,6 +238,9 @@ def test_memory_report(pair) -> None:
     eng = SpecEngine(*pair, EngineConfig(max_batch=4, max_context=128), "t", "d")
     rep = eng.memory_report()
     assert rep["target_kv_bytes"] > 0 and rep["draft_weight_bytes"] > 0
+    # The arithmetic the benchmark reports (without allocating) is what a cache really takes.
+    assert pair[0].kv_cache_bytes(4, 128) == rep["target_kv_bytes"]
+    assert pair[1].kv_cache_bytes(4, 128) == rep["draft_kv_bytes"]
 
 
 def _linear_calls_in_one_round(
