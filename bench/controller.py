@@ -39,8 +39,8 @@ import redis
 
 from bench._common import write_results
 from controller.client import ClientConfig, PolicyClient
-from controller.publish import RedisPublisher
-from controller.sidecar import Sidecar, SidecarConfig
+from controller.service.publish import RedisPublisher
+from controller.service.sidecar import Sidecar, SidecarConfig
 from policies import REGISTRY
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.ingest import ConsumerConfig

@@ -287,7 +287,7 @@ MIXES = {  # request mixes of the workload (fractions of rows per type)
 @dataclass(frozen=True, slots=True)
 class SimPhase:
     """A stretch of the simulated workload (its length a share of rounds, not seconds as in
-    :class:`controller.workload.Phase`, which a real engine plays)."""
+    :class:`controller.reference.workload.Phase`, which a real engine plays)."""
 
     name: str
     share: float  # fraction of the workload's rounds

@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     try:
         if args_in and args_in[0] == "demo":
-            from controller import demo
+            from controller.reference import demo
 
             return int(demo.main(args_in[1:]))
         if args_in and args_in[0] == "bench":
@@ -192,7 +192,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from controller.engine_proc import EngineProcConfig, install_stop_signals, run_engine
+    from controller.reference.engine_proc import EngineProcConfig, install_stop_signals, run_engine
 
     _check_redis(args.redis_url)
     cfg = EngineProcConfig(
@@ -213,9 +213,9 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _sidecar(args: argparse.Namespace) -> int:
-    from controller.http import OperatorServer
-    from controller.publish import RedisPublisher
-    from controller.sidecar import Sidecar, SidecarConfig
+    from controller.service.http import OperatorServer
+    from controller.service.publish import RedisPublisher
+    from controller.service.sidecar import Sidecar, SidecarConfig
     from policies import REGISTRY
     from telemetry.ingest import ConsumerConfig, default_consumer_name
     from telemetry.store import Store

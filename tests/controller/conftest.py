@@ -28,7 +28,7 @@ def checkpoints() -> Path:
 @pytest.fixture(scope="session")
 def prompt_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One prompt pool per test session (building it parses the standard library)."""
-    from controller.workload import PromptPool
+    from controller.reference.workload import PromptPool
 
     d = tmp_path_factory.mktemp("prompts")
     PromptPool(0, d)

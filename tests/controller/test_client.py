@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from controller.client import ClientConfig, EngineHooks, PolicyClient, policy_key, updates_channel
-from controller.publish import RedisPublisher
+from controller.service.publish import RedisPublisher
 from telemetry.records import PolicyTable, RoundRecord, RowRecord
 
 V1, V2, D = "target-v1", "target-v2", "draft-v1"
@@ -132,6 +132,6 @@ def test_engine_hooks_switch_versions_and_record() -> None:
 
 
 def test_client_module_does_not_import_torch() -> None:
-    code = "import sys, controller.client, controller.publish; print('torch' in sys.modules)"
+    code = "import sys, controller.client, controller.service.publish; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from controller import demo
-from controller.demo_log import RoundLog, RunLog
+from controller.reference import demo
+from controller.reference.demo_log import RoundLog, RunLog
 from telemetry.records import DEFAULT_BUCKETS
 
 

@@ -18,8 +18,8 @@ from unittest import mock
 import pytest
 import redis
 
-from controller.publish import RedisPublisher
-from controller.sidecar import Sidecar, SidecarConfig
+from controller.service.publish import RedisPublisher
+from controller.service.sidecar import Sidecar, SidecarConfig
 from policies import REGISTRY
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.errors import StoreError
@@ -215,7 +215,7 @@ def test_a_pin_says_when_it_reached_no_engine(sqlite_url: str) -> None:
     import json
     import urllib.request
 
-    from controller.http import OperatorServer
+    from controller.service.http import OperatorServer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,9 +11,9 @@ from urllib.parse import quote
 
 import pytest
 
-from controller.http import OperatorServer
-from controller.publish import CallbackPublisher
-from controller.sidecar import Sidecar, SidecarConfig
+from controller.service.http import OperatorServer
+from controller.service.publish import CallbackPublisher
+from controller.service.sidecar import Sidecar, SidecarConfig
 from policies import REGISTRY
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.ingest import ConsumerConfig

@@ -12,9 +12,9 @@ from urllib.parse import quote
 
 import pytest
 
-from controller.http import HttpConfig, OperatorServer
-from controller.publish import CallbackPublisher
-from controller.sidecar import Sidecar, SidecarConfig
+from controller.service.http import HttpConfig, OperatorServer
+from controller.service.publish import CallbackPublisher
+from controller.service.sidecar import Sidecar, SidecarConfig
 from policies import REGISTRY
 from telemetry.ingest import ConsumerConfig
 from telemetry.store import Store

@@ -7,8 +7,8 @@ import time
 import redis
 
 from controller.client import ClientConfig, PolicyClient
-from controller.publish import CallbackPublisher, RedisPublisher
-from controller.sidecar import Sidecar, SidecarConfig, apply_pins
+from controller.service.publish import CallbackPublisher, RedisPublisher
+from controller.service.sidecar import Sidecar, SidecarConfig, apply_pins
 from policies import REGISTRY
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.ingest import ConsumerConfig
@@ -160,7 +160,7 @@ def test_two_sidecars_share_the_group_and_versions_only_go_up(redis_url: str, re
 
 
 def test_spec_decode_counters_follow_vllm_conventions() -> None:
-    from controller.metrics import SidecarMetrics
+    from controller.service.metrics import SidecarMetrics
     from telemetry.records import AcceptanceWindow
 
     m = SidecarMetrics()

@@ -16,9 +16,9 @@ from telemetry.records import REQUEST_TYPES, Bucket
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from controller.demo_log import RunLog
-    from controller.sidecar import Sidecar
-    from controller.workload import Phase
+    from controller.reference.demo_log import RunLog
+    from controller.reference.workload import Phase
+    from controller.service.sidecar import Sidecar
 
 BIN_S = 1.0  # plot resolution in seconds (the workload's own time)
 MAX_EVENTS_SHOWN = 12

@@ -42,7 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 
-from controller.sidecar import Sidecar
+from controller.service.sidecar import Sidecar
 from telemetry.errors import SpectuneError
 from telemetry.records import RecordError, parse_bucket_key
 from telemetry.transport import DeadLetter, RedisStreamsTransport

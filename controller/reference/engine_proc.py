@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.client import ClientConfig, EngineHooks, PolicyClient
-from controller.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled, warm_up
+from controller.reference.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled, warm_up
 from engine.profiles import DEFAULT_PROFILE, get_profile
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.records import MAX_NAME_LEN, RoundRecord
@@ -41,7 +41,7 @@ class EngineProcConfig:
     profile: str = DEFAULT_PROFILE  # target/draft pair (engine/profiles.py): xl = a large target's cost
     device: str | None = None  # None: CUDA when present, else CPU
     prefix: str = DEFAULT_PREFIX
-    workload: str = "steady"  # a name in controller.workload.WORKLOADS
+    workload: str = "steady"  # a name in controller.reference.workload.WORKLOADS
     duration_s: float | None = None  # stop after this long (None: the workload's own length)
     load: int | None = None  # override every phase's in-flight requests
     default_k: int = 2  # fail-static k until a table arrives

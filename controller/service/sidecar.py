@@ -38,8 +38,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from controller.metrics import SidecarMetrics
-from controller.publish import Publisher
+from controller.service.metrics import SidecarMetrics
+from controller.service.publish import Publisher
 from policies.base import Decision, Policy, cell_key
 from telemetry.errors import SpectuneError, StoreError, TransportError
 from telemetry.ingest import Consumer, ConsumerConfig

@@ -1,5 +1,5 @@
-"""What a demo run logged, round by round and row by row: written by :mod:`controller.demo`, read by it (the
-hindsight table, the progress line) and by :mod:`controller.demo_report` (tables and plots).
+"""What a demo run logged, round by round and row by row: written by :mod:`controller.reference.demo`, read by it (the
+hindsight table, the progress line) and by :mod:`controller.reference.demo_report` (tables and plots).
 
 ``t`` is seconds into the workload when the round ended; ``phase`` indexes the workload's phases.
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from controller.sidecar import PublishedVersion
+    from controller.service.sidecar import PublishedVersion
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ present, else CPU), the engine hooks (policy client + telemetry emitter), the in
 on a thread with the ``goodput`` policy, and a SQLite file in the run folder. ``--redis-url`` / ``--db-url``
 switch the transport and the store to Redis and PostgreSQL.
 
-The same workload (:data:`controller.workload.WORKLOADS` ``"demo"``: code, prose and structured requests; load
+The same workload (:data:`controller.reference.workload.WORKLOADS` ``"demo"``: code, prose and structured requests; load
 rising to a large batch and falling; long-context requests; the model update midway) is played three times:
 
 1. **learned**: k from the sidecar, which starts knowing nothing and learns while the workload runs;
@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from controller.client import ClientConfig, EngineHooks, PolicyClient
-from controller.demo_log import RoundLog, RowLog, RunLog
-from controller.publish import CallbackPublisher, Publisher, RedisPublisher
-from controller.sidecar import Sidecar, SidecarConfig
-from controller.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled, warm_up
+from controller.reference.demo_log import RoundLog, RowLog, RunLog
+from controller.reference.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled, warm_up
+from controller.service.publish import CallbackPublisher, Publisher, RedisPublisher
+from controller.service.sidecar import Sidecar, SidecarConfig
 from engine.profiles import DEFAULT_PROFILE, PROFILE_HELP, PROFILE_NAMES, get_profile
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.ingest import ConsumerConfig
@@ -201,7 +201,7 @@ def run_demo(cfg: DemoConfig) -> Path:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from controller.demo_report import write_report
+    from controller.reference.demo_report import write_report
 
     console = Console()
     run_dir = cfg.out_root / time.strftime("demo-%Y%m%d-%H%M%S")
