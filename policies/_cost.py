@@ -7,20 +7,28 @@ a batch of 64 from batches 1 and 4 to plain rounds 2.7x too cheap, and a policy 
 speculation off where it wins 1.25x (measured on the reference engine).
 
 So each part of a round is a non-negative combination of the work it does (fitted by non-negative least squares
-on the aggregated cost windows, relative errors: scikit-learn's ``LinearRegression(positive=True)``):
+on the aggregated cost windows, relative errors: scikit-learn's ``LinearRegression(positive=True)``). Rows of one
+round draft different k (packed verification): m is the round's largest k (the draft steps it runs), D the
+tokens drafted over all rows (step j runs only the rows with k > j, so the steps together run D row-steps), and
+the target verifies B + D tokens:
 
-- draft  = k (d0 + d1 B + d2 B C)                    k draft forwards (fixed overhead, per-row compute,
-           + [k > 0] (d3 + d4 B)                     per-row attention), the first one wider by the catch-up;
-- verify = v0 + v1 B (k + 1) + v2 B C + v3 B C k     one target forward over B (k + 1) positions: overhead,
-           + [k > 0] (v4 + v5 B + v6 B C)            GEMM work, the KV read once per row, attention compute;
-                                                     a multi-token verify takes other kernels than a
-                                                     one-token step (bench/results/engine.json, batch 64, long
-                                                     context: 2 positions cost 1.29x one, 3 cost 1.44x);
-- other  = o0 + o1 B + o2 B k                        set-up and bookkeeping (admitting new requests is
+- draft  = d0 m + d1 D + d2 D C                      m draft forwards (fixed overhead) over D row-steps
+           + [m > 0] (d3 + d4 B)                     (per-row compute and attention), the first one wider by
+                                                     the catch-up;
+- verify = v0 + v1 (B + D) + v2 B C + v3 D C         one target forward over B + D tokens: overhead, GEMM work,
+           + [m > 0] (v4 + v5 B + v6 B C)            the KV read once per row, attention compute; a multi-token
+                                                     verify takes other kernels than a one-token step
+                                                     (bench/results/engine.json, batch 64, long context: 2
+                                                     positions cost 1.29x one, 3 cost 1.44x);
+- other  = o0 + o1 B + o2 D                          set-up and bookkeeping (admitting new requests is
                                                      timed apart, ``RoundRecord.prefill_s``: it is the same
                                                      work whatever k is).
 
-B is the mean batch of the cell, C the context bucket's representative length. Non-negative coefficients keep
+With one k for every row, D = B k. B is the mean batch of the cell, C the context bucket's representative
+length. Windows are keyed by the largest k; a window's D comes from its verified tokens (``tokens_verified -
+batch_rows``). :meth:`CostModel.predict` answers for one k shared by every row; :meth:`CostModel.per_token`
+gives the seconds one drafted token adds (its D columns), which is what a row drafting less than the round's
+largest k saves. Non-negative coefficients keep
 every extrapolation monotone in B, C and k. What batches 1 and 4 cannot tell apart (a fixed cost or one per
 row) decides the extrapolation to batch 64, so a policy should measure a second k in a cell beyond the
 measured range (:meth:`CostModel.extrapolating`) rather than trust the guess.
@@ -63,9 +71,10 @@ class CostAggregate:
     verify_s: float = 0.0
     other_s: float = 0.0
     windows: float = 0.0  # evidence in windows, each weighted r / (r + ROUNDS_PER_FULL_WINDOW)
+    drafted: float = 0.0  # tokens drafted over every row and round (verified tokens minus rows)
 
     def add(self, decay: float, rounds: float, batch_rows: float, draft_s: float, verify_s: float,
-            other_s: float, windows: float) -> None:
+            other_s: float, windows: float, drafted: float) -> None:
         """Decay the sums by ``decay`` and add one window's."""
         self.rounds = self.rounds * decay + rounds
         self.batch_rows = self.batch_rows * decay + batch_rows
@@ -73,6 +82,7 @@ class CostAggregate:
         self.verify_s = self.verify_s * decay + verify_s
         self.other_s = self.other_s * decay + other_s
         self.windows = self.windows * decay + windows
+        self.drafted = self.drafted * decay + drafted
 
     def per_round(self) -> np.ndarray:
         """``[3]`` mean (draft, verify, other) seconds per round."""
@@ -82,22 +92,28 @@ class CostAggregate:
 AGGREGATE_FIELDS = tuple(f.name for f in fields(CostAggregate))
 
 
-def _features(b: np.ndarray, c: np.ndarray, k: np.ndarray) -> list[np.ndarray]:
+def _features(b: np.ndarray, c: np.ndarray, m: np.ndarray, d: np.ndarray) -> list[np.ndarray]:
     """Per-part design matrices (see the module docstring).
 
     Args:
-        b: ``[N]`` mean batch size; c: ``[N]`` context length; k: ``[N]`` largest draft length of the round.
+        b: ``[N]`` mean batch size; c: ``[N]`` context length; m: ``[N]`` largest draft length of the round;
+        d: ``[N]`` tokens drafted per round over all rows (``b * m`` when every row drafts ``m``).
     Returns:
         ``[draft [N, 5], verify [N, 7], other [N, 3]]``.
     """
-    bc = b * c / 1024.0  # context in KiB keeps the columns within a few orders of magnitude
+    kib = c / 1024.0  # context in KiB keeps the columns within a few orders of magnitude
     one = np.ones_like(b)
-    on = (k > 0).astype(float)
+    on = (m > 0).astype(float)
     return [
-        np.stack([k, k * b, k * bc, on, on * b], axis=1),
-        np.stack([one, b * (k + 1), bc, bc * k, on, on * b, on * bc], axis=1),
-        np.stack([one, b, b * k], axis=1),
+        np.stack([m, d, d * kib, on, on * b], axis=1),
+        np.stack([one, b + d, b * kib, d * kib, on, on * b, on * b * kib], axis=1),
+        np.stack([one, b, d], axis=1),
     ]
+
+
+# Per part, the design-matrix columns that grow with each drafted token: (column, grows by C in KiB, not by 1).
+_PER_TOKEN_COLUMNS: tuple[tuple[tuple[int, bool], ...], ...] = (((1, False), (2, True)), ((1, False), (3, True)),
+                                                                ((2, False),))
 
 
 class CostModel:
@@ -123,11 +139,17 @@ class CostModel:
         self._coef: list[np.ndarray] | None = None  # shared fit: coefficients of the draft, verify, other features
 
     def observe(self, batch_bucket: int, ctx: str, k: int, rounds: int, batch_rows: int,
-                draft_s: float, verify_s: float, other_s: float) -> None:
+                draft_s: float, verify_s: float, other_s: float, drafted: float | None = None) -> None:
+        """Add one cost window of rounds whose largest k is ``k``.
+
+        ``drafted``: tokens drafted over all rows and rounds; None means every row drafted ``k``.
+        """
         cell = self._agg.setdefault((batch_bucket, ctx), {})
         new_key = k not in cell
         weight = rounds / (rounds + ROUNDS_PER_FULL_WINDOW)  # a window of a few rounds is a weak measurement
-        cell.setdefault(k, CostAggregate()).add(self.decay, rounds, batch_rows, draft_s, verify_s, other_s, weight)
+        d = float(batch_rows * k) if drafted is None else float(drafted)
+        cell.setdefault(k, CostAggregate()).add(self.decay, rounds, batch_rows, draft_s, verify_s, other_s, weight,
+                                                d)
         self._since_fit += 1
         self._n_seen += 1
         # A (cell, k) never seen before refits at once: the first measurement of a cell or of a k is what
@@ -181,7 +203,8 @@ class CostModel:
         b = np.array([agg.batch_rows for _, agg in rows]) / rounds
         c = np.array([float(context_len_of(ctx)) for (_, ctx, _), _ in rows])
         k = np.array([float(kk) for (_, _, kk), _ in rows])
-        feats = _features(b, c, k)
+        d = np.array([agg.drafted for _, agg in rows]) / rounds
+        feats = _features(b, c, k, d)
         # Relative errors, every observation weighted by how many rounds it holds (square root: a cell served
         # for hours must not drown out one seen for a minute).
         w = np.sqrt(rounds) / np.maximum(y.sum(axis=1), 1e-12)
@@ -198,11 +221,26 @@ class CostModel:
         self._coef = coef
 
     def _model(self, b: float, c: float, ks: np.ndarray) -> np.ndarray:
-        """``[len(ks), 3]`` seconds per round from the shared fit alone."""
+        """``[len(ks), 3]`` seconds per round from the shared fit alone, every row drafting its round's k."""
         assert self._coef is not None
         n = ks.size
-        feats = _features(np.full(n, b), np.full(n, c), ks)
+        feats = _features(np.full(n, b), np.full(n, c), ks, b * ks)
         return np.stack([x @ cf for x, cf in zip(feats, self._coef, strict=True)], axis=1)
+
+    def _marginal(self, c: float) -> np.ndarray:
+        """``[3]`` seconds one more drafted token adds to each part, from the shared fit (no cell correction)."""
+        if self._coef is None:
+            return np.zeros(len(PARTS))
+        kib = c / 1024.0
+        return np.array([sum(float(cf[j]) * (kib if by_context else 1.0) for j, by_context in cols)
+                         for cf, cols in zip(self._coef, _PER_TOKEN_COLUMNS, strict=True)])
+
+    def per_token(self, batch_bucket: int, ctx: str) -> float:
+        """Seconds one drafted token adds to a round of this cell (the shared fit's D columns).
+
+        What a row drafting fewer tokens than its round's largest k saves, per token it does not draft.
+        """
+        return float(self._marginal(float(context_len_of(ctx))).sum())
 
     def predict(self, batch_bucket: int, ctx: str, batch_size: float | None = None,
                 rng: np.random.Generator | None = None) -> np.ndarray:
@@ -224,7 +262,11 @@ class CostModel:
             # between windows (another tenant, clocks), which a window's hundreds of rounds do not average out.
             tau = self.prior_windows
             n_w = {kk: v.windows for kk, v in obs.items()}
-            per_round = {kk: v.per_round() for kk, v in obs.items()}
+            # Rows that drafted less than their round's largest k made the round cheaper than one k for every
+            # row: add back what the tokens they did not draft would have cost, so a measurement answers for k.
+            marg = self._marginal(c)
+            per_round = {kk: v.per_round() + marg * max(0.0, (v.batch_rows * kk - v.drafted) / v.rounds)
+                         for kk, v in obs.items()}
             seen = sum(n_w[kk] * float(per_round[kk].sum()) for kk in obs)
             expect = sum(n_w[kk] * float(y[kk].sum()) for kk in obs)
             mean_pred = expect / sum(n_w.values())

@@ -115,20 +115,28 @@ def optimal_draft_length(alpha: float, c: float, k_max: int) -> int:
 
 
 def batch_goodput(
-    emitted: np.ndarray, mix: np.ndarray, batch_size: float, round_s: np.ndarray, shared_k: bool = False
+    emitted: np.ndarray, mix: np.ndarray, batch_size: float, round_s: np.ndarray, shared_k: bool = False,
+    per_token_s: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Expected goodput of every joint per-type choice of k in a batch whose round cost follows the largest k.
+    """Expected goodput of every joint per-type choice of k in a batch that drafts to its largest k.
 
-    Rows of type t make up a fraction ``mix[t]`` of the batch; a round of ``batch_size`` rows drafts and verifies
-    at the largest k present, so ``P(max k <= m) = (1 - sum_{t: k_t > m} mix_t) ** batch_size``. Goodput is
-    emitted tokens per second over the long run: expected emitted per round over expected round seconds.
+    Rows of type t make up a fraction ``mix[t]`` of the batch; a round of ``batch_size`` rows runs draft steps up
+    to the largest k present, so ``P(max k <= m) = (1 - sum_{t: k_t > m} mix_t) ** batch_size``. Under packed
+    verification a row drafting less than the round's largest k also costs less: each token it does not draft
+    saves ``per_token_s`` (draft row-step and verified position), so
+
+        E[seconds] = sum_m P(max k = m) round_s[m] - per_token_s * batch_size * (E[max k] - sum_t mix_t k_t).
+
+    With ``per_token_s = 0`` a round costs what its largest k costs (padded verification). Goodput is emitted
+    tokens per second over the long run: expected emitted per round over expected round seconds.
 
     Args:
         emitted: ``[T, K + 1]`` expected emitted tokens per row for each type and k.
         mix: ``[T]`` type fractions of the rows (normalised here).
         batch_size: rows per round (>= 1).
-        round_s: ``[K + 1]`` expected seconds of a round whose largest k is m.
+        round_s: ``[K + 1]`` expected seconds of a round in which every row drafts m.
         shared_k: force one k for every type (also used when the joint grid is too large).
+        per_token_s: seconds one drafted token adds to a round (>= 0).
 
     Returns:
         ``(combos [C, T] int, goodput [C])``.
@@ -145,5 +153,9 @@ def batch_goodput(
     over = combos[:, :, None] > m[None, None, :]  # [C, T, K+1]: type t drafts past m
     cdf = np.clip(1.0 - (over * w[None, :, None]).sum(axis=1), 0.0, 1.0) ** batch_size  # [C, K+1]
     pmf = np.diff(cdf, axis=1, prepend=0.0)
-    secs = pmf @ np.asarray(round_s, dtype=float)
+    round_s = np.asarray(round_s, dtype=float)
+    secs = pmf @ round_s  # [C]
+    if per_token_s > 0:
+        undrafted = batch_size * (pmf @ m - combos @ w)  # [C] E[tokens below the round's largest k], >= 0
+        secs = np.maximum(secs - per_token_s * np.maximum(undrafted, 0.0), 0.5 * round_s[0])
     return combos, tok / np.maximum(secs, 1e-12)

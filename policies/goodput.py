@@ -7,15 +7,20 @@ curve learnt as Beta posteriors (:mod:`policies._acceptance`). Round seconds com
 the work in a round, shared across buckets (:mod:`policies._cost`): at high batch the verify cost grows with
 ``k + 1`` and speculation can lose, so k = 0 is always a candidate.
 
-A round costs what its largest k costs, so k is chosen jointly for the request types that share a batch
-(:func:`policies.analytic.batch_goodput`, with the recent request mix of the context bucket); a bucket's k is its
-type's entry in that joint choice. The incumbent k changes only when the posterior-mean gain exceeds
+Request types share batches, so k is chosen jointly for them (:func:`policies.analytic.batch_goodput`, with
+the recent request mix of the context bucket); a bucket's k is its type's entry in that joint choice. A round
+runs draft steps up to its largest k, and under packed verification (``packed=True``, the reference engine and
+any engine that verifies only the tokens each row drafted) every token a row does not draft is saved, at the
+cost model's seconds per drafted token: types that accept well draft deep while the others stay shallow or
+plain. With ``packed=False`` a round costs what its largest k costs (engines that pad rows to one length).
+
+The incumbent k changes only when the posterior-mean gain exceeds
 ``switch_margin``, and then holds for ``hold_decisions`` (vLLM issue #49548: K flipping 2 <-> 0 collapses
 throughput); turning speculation off needs ``off_margin`` and a measurement of k = 0 in that cell (switching
 back on costs the draft a catch-up of every token it missed). Exploration is Thompson sampling over the
 acceptance posteriors and the seconds of ks a cell was never measured at: when a draw favours another k by the
-margin, that k is served for one decision (measured, not adopted) — one k for the whole cell (mixed ks pay the
-largest k's verify), within ``explore_radius`` of the incumbent, never 0 and never from a cell that is off. A
+margin, that k is served for one decision (measured, not adopted) — one k for the whole cell (its cost window
+then measures that k alone), within ``explore_radius`` of the incumbent, never 0 and never from a cell that is off. A
 cell seen at one k only, beyond the batch/context range the cost model has measured, is probed once at a
 second k; a cell that is off is re-probed every ``probe_every`` decisions. A model update shows up as new
 versions in the bucket; their acceptance starts from the previous version's type curve with a small
@@ -129,6 +134,8 @@ class GoodputPolicy(Policy):
         slope_cells: once this many cells have been seen at two or more k, a new cell seen at one k that lies
             within their batch and context range is not probed: it borrows the shared slope in k (the point of a
             shared cost model). A cell beyond that range is probed once.
+        packed: the engine verifies only the tokens each row drafted, so a row drafting less than the round's
+            largest k saves its share (see the module docstring).
     """
 
     name = "goodput"
@@ -138,7 +145,7 @@ class GoodputPolicy(Policy):
                  prior_mean: float = 0.6, bucket_strength: float = 30.0, type_strength: float = 60.0,
                  version_strength: float = 10.0, acceptance_decay: float = 0.995, cost_prior_windows: float = 2.0,
                  refit_every: int = 16, slope_cells: int = 2, off_margin: float = 0.10,
-                 explore_radius: int = 2) -> None:
+                 explore_radius: int = 2, packed: bool = True) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
@@ -149,7 +156,7 @@ class GoodputPolicy(Policy):
         self.off_margin, self.explore_radius = off_margin, explore_radius
         self.objective, self.latency_p99_s = objective, latency_p99_s
         self.switch_margin, self.hold_decisions, self.probe_every = switch_margin, hold_decisions, probe_every
-        self.slope_cells = slope_cells
+        self.slope_cells, self.packed = slope_cells, packed
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every)
@@ -167,15 +174,17 @@ class GoodputPolicy(Policy):
         elif isinstance(window, CostWindow) and window.max_k <= self.k_max:
             w = window
             rounds, rows = w.rounds, w.batch_rows
+            drafted = float(w.tokens_verified - w.batch_rows)  # packed verification: rows draft their own k
             parts = [w.draft_s.total, w.verify_s.total, w.other_s.total]
             if rounds >= TRIM_FROM_ROUNDS:
                 # The slowest round of a window is set aside: after speculation was off the first round at k > 0
                 # feeds the draft every token it missed — a one-time cost of switching on, not the cost of k.
                 # Kept in, it makes k look dear after every stretch at k = 0 and keeps speculation off.
                 parts = [st.total - st.max for st in (w.draft_s, w.verify_s, w.other_s)]
+                drafted -= drafted / rounds
                 rows -= round(rows / rounds)
                 rounds -= 1
-            self._cost.observe(w.batch_bucket, w.context_bucket, w.max_k, rounds, rows, *parts)
+            self._cost.observe(w.batch_bucket, w.context_bucket, w.max_k, rounds, rows, *parts, drafted=drafted)
 
     # ----------------------------------------------------------------------------------------- deciding
     def _evaluate(self, bucket: Bucket, types: list[str], weights: np.ndarray,
@@ -186,7 +195,8 @@ class GoodputPolicy(Policy):
         emitted = emitted_by_k(cond[:, : self.k_max])  # [T, K+1]
         b = self._cost.mean_batch(bucket.batch_bucket, bucket.context_bucket)
         secs = self._cost.predict(bucket.batch_bucket, bucket.context_bucket, b, rng).sum(axis=1)  # [K+1]
-        combos, g = batch_goodput(emitted, weights, b, secs)
+        per_token = self._cost.per_token(bucket.batch_bucket, bucket.context_bucket) if self.packed else 0.0
+        combos, g = batch_goodput(emitted, weights, b, secs, per_token_s=per_token)
         _, g_shared = batch_goodput(emitted, weights, b, secs, shared_k=True)
         if self.objective == "latency" and self._cost.fitted:
             assert self.latency_p99_s is not None
@@ -293,7 +303,7 @@ class GoodputPolicy(Policy):
     def _explore(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
         """A Thompson draw favours another k near the incumbent by the margin: serve it once to measure it.
 
-        One k for the whole cell (mixed ks pay the largest k's verify), within ``explore_radius`` of the
+        One k for the whole cell (its cost window then measures that k alone), within ``explore_radius`` of the
         incumbent, never k = 0: turning the draft off and on costs a catch-up of every token it missed, so k = 0
         is reached by the mean (with ``off_margin``) or by a cost probe, not by a lucky draw. For the same reason
         a cell that is off is not explored by draws: it is re-probed every ``probe_every`` decisions, or switched

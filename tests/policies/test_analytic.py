@@ -73,3 +73,25 @@ def test_batch_goodput_max_k_coupling() -> None:
     assert best[0] == best[1]
     _, g1 = batch_goodput(emitted[:1], np.array([1.0]), 1, secs)
     assert g1 == pytest.approx(emitted[0] / secs)
+
+
+def test_batch_goodput_packed_rows_draft_their_own_k() -> None:
+    """Packed verification: a row drafting less than the round's largest k saves its tokens' cost."""
+    emitted = np.stack([emitted_by_k(np.full(4, 0.95)), emitted_by_k(np.full(4, 0.3))])  # [2, 5]
+    batch, per_token = 64, 0.01
+    secs = 1.0 + 0.02 + per_token * batch * np.arange(5.0)  # every row drafting m: draft step + per-token work
+    secs[0] = 1.0
+    mix = np.array([0.5, 0.5])
+    combos, g = batch_goodput(emitted, mix, batch, secs, per_token_s=per_token)
+    best = tuple(int(x) for x in combos[int(np.argmax(g))])
+    assert best[0] > best[1]  # the type that accepts well drafts deeper than the other
+    # The expectation by hand for (4, 1): with 64 rows the largest k is 4 (P(no row of type 0) ~ 5e-20);
+    # tokens below it: type 1 rows each leave 3 undrafted.
+    i = int(np.flatnonzero((combos == (4, 1)).all(axis=1))[0])
+    tok = batch * (0.5 * emitted[0, 4] + 0.5 * emitted[1, 1])
+    assert g[i] == pytest.approx(tok / (secs[4] - per_token * batch * 0.5 * 3))
+    # Padded verification (no saving) is the per_token_s = 0 case, and one shared k costs the same either way.
+    _, g_pad = batch_goodput(emitted, mix, batch, secs)
+    assert g_pad[i] < g[i]
+    same = int(np.flatnonzero((combos == (2, 2)).all(axis=1))[0])
+    assert g_pad[same] == pytest.approx(g[same])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from policies import DecisionKind, GoodputPolicy
 from policies._cost import CostModel
@@ -144,3 +145,22 @@ def test_snapshot_keeps_the_rule_that_chose() -> None:
     p.observe(_acc("code", 2, (500, 0, 0)))
     q.observe(_acc("code", 2, (500, 0, 0)))
     assert q.decide(b) == p.decide(b) and p.decide(b).kind is DecisionKind.HOLD
+
+
+def test_cost_model_learns_per_token_cost_from_mixed_rounds() -> None:
+    """Windows of rounds whose rows draft different k: the fit recovers what one drafted token costs."""
+    step, per_tok, plain, per_row = 0.002, 0.0004, 0.02, 0.0001  # the ground truth of this synthetic engine
+    cm = CostModel(k_max=8)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        for bb, b in ((1, 1.0), (16, 16.0), (64, 64.0)):
+            m = int(rng.integers(0, 9))
+            d = b * m * float(rng.uniform(0.3, 1.0)) if m else 0.0  # rows below the largest k draft less
+            draft = step * m + per_tok * 0.5 * d
+            verify = plain + per_row * b + per_tok * 0.5 * d
+            cm.observe(bb, "short", m, 10, int(b * 10), 10 * draft, 10 * verify, 0.0, drafted=10 * d)
+    cm.refit()
+    assert cm.per_token(64, "short") == pytest.approx(per_tok, rel=0.05)
+    # The uniform-k prediction answers for every row drafting k, though the windows drafted less.
+    want = step * 4 + plain + per_row * 64 + per_tok * 64 * 4
+    assert cm.predict(64, "short", 64.0)[4].sum() == pytest.approx(want, rel=0.05)
