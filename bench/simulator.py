@@ -17,8 +17,13 @@ tests use the labelled fixture ``tests/policies/fixture_engine.json``):
   nearest measured class's cost and acceptance (constant extrapolation in context length); batch sizes the
   workload uses but the calibration lacks are extrapolated as above. Every such gap is listed in
   :attr:`Calibration.gaps` and in the benchmark's JSON.
-- A round's cost is that of its largest k. Seeded multiplicative noise (``noise`` per round) is the only
-  invented quantity.
+- **packed rounds**: rows of one round draft their own k, as on the reference engine. A round runs draft steps
+  up to its largest k m, step j only for the rows with k > j, and verifies B + D tokens (D drafted over all
+  rows). Its cost is the measured cost of every row drafting m, corrected by what the calibration says about
+  fewer rows and tokens: each draft step costs the per-step draft slope at its own row count (log-log in batch,
+  as above) instead of at B, and verify is the measured verify at ``k = D / B`` (linear between measured k).
+  With one k for every row this is the measured cost itself. Seeded multiplicative noise (``noise`` per round)
+  is the only invented quantity.
 
 The engine batches rows of mixed request types; per round the rows' types are drawn from the workload mix. Every
 ``window_s`` seconds the simulator emits :class:`AcceptanceWindow` / :class:`CostWindow` aggregates to
@@ -35,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.stats import binom
 
 from engine.profiles import UNLABELLED_PROFILE
 from policies.base import Policy
@@ -140,6 +146,7 @@ class Calibration:
                     self._pmf[(ver, t, cx)] = short if cx == self.contexts[0] else _pmf_from_cond(
                         np.clip(_cond(short) * ratio, 0.0, 1.0), self.K)
         self.versions = sorted({v for v, _, _ in self._pmf})
+        self._step_cache: dict[tuple[int, str], float] = {}
         self._alias = {cx: cx for cx in self.measured_contexts}
         for cx in CONTEXT_CLASSES:
             if cx not in self._alias:  # nearest measured class in the benchmark's order of length
@@ -190,6 +197,33 @@ class Calibration:
         lo, hi = np.log(np.maximum(self.cost[i, ci], 1e-9)), np.log(np.maximum(self.cost[i + 1, ci], 1e-9))
         out = np.exp(lo + w * (hi - lo))
         out[0, 0] = 0.0  # no draft at k = 0
+        return out
+
+    def step_s(self, rows: int, context: str) -> float:
+        """Seconds of one draft step over ``rows`` rows: the slope in k of the draft at that batch size."""
+        key = (rows, self._ctx(context))
+        if key not in self._step_cache:
+            d = self.round_s(float(rows), context)[:, 0]
+            self._step_cache[key] = float((d[self.K] - d[1]) / (self.K - 1)) if self.K > 1 else float(d[1])
+        return self._step_cache[key]
+
+    def packed_round_s(self, batch_size: int, context: str, max_k: np.ndarray, rows_per_step: np.ndarray,
+                       drafted: np.ndarray) -> np.ndarray:
+        """``[N, 3]`` (draft, verify, other) seconds of N rounds whose rows draft their own k.
+
+        Args:
+            batch_size: rows per round, B.
+            max_k: ``[N]`` the largest k of each round.
+            rows_per_step: ``[N, K]`` rows drafting at step j (rows with k > j).
+            drafted: ``[N]`` tokens drafted over all rows, D.
+        """
+        uni = self.round_s(batch_size, context)  # [K+1, 3]: every row drafting m
+        out = uni[max_k].copy()
+        full = self.step_s(batch_size, context)
+        fewer = np.vectorize(lambda r: self.step_s(int(r), context) - full if 0 < r < batch_size else 0.0,
+                             otypes=[float])(rows_per_step)  # [N, K]
+        out[:, 0] = np.maximum(out[:, 0] + fewer.sum(axis=1), 0.0)
+        out[:, 1] = np.interp(drafted / batch_size, np.arange(self.K + 1), uni[:, 1])
         return out
 
     def bucket_label(self, context: str) -> str:
@@ -373,15 +407,30 @@ def expected_goodput(cal: Calibration, spec: WindowSpec, ks: Sequence[int]) -> f
 
 
 def expected_round(cal: Calibration, spec: WindowSpec, ks: Sequence[int]) -> tuple[float, float]:
-    """(expected emitted tokens, expected seconds) of one round with per-type draft lengths ``ks`` ``[T]``."""
+    """(expected emitted tokens, expected seconds) of one packed round with per-type draft lengths ``ks`` ``[T]``.
+
+    The expectation of :meth:`Calibration.packed_round_s` over the rows' types: the largest k follows
+    ``P(max k <= m) = (1 - sum_{t: k_t > m} w_t) ** B``, the rows of step j are Binomial(B, sum_{t: k_t > j} w_t),
+    and verify is taken at the expected drafted tokens per row (exact where verify is linear in k).
+    """
     e = cal.emitted(spec.version, spec.context)
     w = np.asarray(spec.mix)
     k = np.asarray(ks)
-    tok = spec.batch_size * float((e[np.arange(len(k)), k] * w).sum())
-    secs = cal.round_s(spec.batch_size, spec.context).sum(axis=1)
+    B = spec.batch_size
+    tok = B * float((e[np.arange(len(k)), k] * w).sum())
+    uni = cal.round_s(B, spec.context)  # [K+1, 3]
     m = np.arange(cal.K + 1)
-    cdf = np.clip(1.0 - ((k[:, None] > m[None, :]) * w[:, None]).sum(axis=0), 0.0, 1.0) ** spec.batch_size
-    return tok, float(np.diff(cdf, prepend=0.0) @ secs)
+    q = ((k[:, None] > m[None, :]) * w[:, None]).sum(axis=0)  # [K+1] P(a row drafts past m)
+    pmf = np.diff(np.clip(1.0 - q, 0.0, 1.0) ** B, prepend=0.0)
+    draft, other = float(pmf @ uni[:, 0]), float(pmf @ uni[:, 2])
+    full = cal.step_s(B, spec.context)
+    r = np.arange(1, B)  # fewer rows than the batch at a step
+    fewer = np.array([cal.step_s(int(x), spec.context) - full for x in r])
+    for j in range(int(k.max(initial=0))):
+        if 0.0 < q[j] < 1.0:
+            draft += float(binom.pmf(r, B, q[j]) @ fewer)
+    verify = float(np.interp(float(k @ w), m, uni[:, 1]))
+    return tok, max(draft, 0.0) + verify + other
 
 
 def buckets_of(cal: Calibration, spec: WindowSpec) -> list[Bucket]:
@@ -408,7 +457,10 @@ def simulate(policy: Policy, cal: Calibration, specs: Sequence[WindowSpec], wind
         res.ks.append({b.key(): int(k) for b, k, m in zip(buckets, ks, spec.mix, strict=True) if m > 0.01})
         counts = rng.multinomial(spec.batch_size, spec.mix, size=N)  # [N, T] rows per type per round
         maxk = np.where(counts > 0, ks[None, :], 0).max(axis=1)  # [N]
-        parts = cal.round_s(spec.batch_size, spec.context)[maxk] * (1.0 + noise * rng.standard_normal((N, 1)))
+        steps = (ks[:, None] > np.arange(cal.K)[None, :]).astype(int)  # [T, K]: type t drafts at step j
+        drafted = counts @ ks  # [N]
+        parts = cal.packed_round_s(spec.batch_size, spec.context, maxk, counts @ steps, drafted.astype(float))
+        parts = parts * (1.0 + noise * rng.standard_normal((N, 1)))
         parts = np.maximum(parts, 0.0)  # [N, 3]
         wall = parts.sum(axis=1)
         emitted_round = np.zeros(N)
@@ -439,7 +491,8 @@ def simulate(policy: Policy, cal: Calibration, specs: Sequence[WindowSpec], wind
             policy.observe(CostWindow(
                 target_version=spec.version, draft_version=DRAFT_VERSION, batch_bucket=buckets[0].batch_bucket,
                 context_bucket=buckets[0].context_bucket, max_k=int(mk), rounds=int(sel.sum()),
-                tokens_verified=brows * (int(mk) + 1), emitted=int(emitted_round[sel].sum()), batch_rows=brows,
+                tokens_verified=brows + int(drafted[sel].sum()), emitted=int(emitted_round[sel].sum()),
+                batch_rows=brows,
                 draft_s=_stat(parts[sel, 0]), verify_s=_stat(parts[sel, 1]), other_s=_stat(parts[sel, 2]),
                 latency_p50=p50, latency_p95=p95, latency_p99=p99))
         res.tokens[wi], res.seconds[wi], res.rounds[wi] = emitted_round.sum(), wall.sum(), N

@@ -184,7 +184,8 @@ class GoodputPolicy(Policy):
                 drafted -= drafted / rounds
                 rows -= round(rows / rounds)
                 rounds -= 1
-            self._cost.observe(w.batch_bucket, w.context_bucket, w.max_k, rounds, rows, *parts, drafted=drafted)
+            self._cost.observe(w.batch_bucket, w.context_bucket, w.max_k, rounds, rows, parts[0], parts[1], parts[2],
+                               drafted=drafted)
 
     # ----------------------------------------------------------------------------------------- deciding
     def _evaluate(self, bucket: Bucket, types: list[str], weights: np.ndarray,
