@@ -44,7 +44,8 @@ from scipy.stats import binom
 
 from engine.profiles import UNLABELLED_PROFILE
 from policies.base import Policy
-from telemetry.records import DEFAULT_BUCKETS, AcceptanceWindow, Bucket, CostWindow, Stat
+from telemetry.aggregate import aggregate
+from telemetry.records import DEFAULT_BUCKETS, Bucket, RoundRecord, RowRecord
 
 DRAFT_VERSION = "draft-v1"
 BASE_VERSION = "target-v1"
@@ -463,45 +464,37 @@ def simulate(policy: Policy, cal: Calibration, specs: Sequence[WindowSpec], wind
         parts = parts * (1.0 + noise * rng.standard_normal((N, 1)))
         parts = np.maximum(parts, 0.0)  # [N, 3]
         wall = parts.sum(axis=1)
+        ctx_len = cal.context_len[spec.context]
+        rows_of: list[list[RowRecord]] = [[] for _ in range(N)]  # [N] the rows of each round
         emitted_round = np.zeros(N)
-        lat_rounds, lat_vals = [], []
         for ti in range(T):
             rows = int(counts[:, ti].sum())
             if rows == 0:
                 continue
             k = int(ks[ti])
             acc = rng.choice(k + 1, size=rows, p=cal.pmf(spec.version, cal.types[ti], spec.context, k))
-            ridx = np.repeat(np.arange(N), counts[:, ti])
-            emitted_round += np.bincount(ridx, weights=acc + 1.0, minlength=N)
-            lat_rounds.append(ridx)
-            lat_vals.append(wall[ridx] / (acc + 1.0))
-            hist = np.bincount(acc, minlength=k + 1)
-            b = buckets[ti]
-            policy.observe(AcceptanceWindow(
-                target_version=b.target_version, draft_version=b.draft_version, request_type=b.request_type,
-                context_bucket=b.context_bucket, k=k, rows=rows, drafted=rows * k, accepted=int(acc.sum()),
-                emitted=int(acc.sum()) + rows, hist=tuple(int(x) for x in hist)))
-        lr, lv = np.concatenate(lat_rounds), np.concatenate(lat_vals)
-        for mk in np.unique(maxk):
-            sel = maxk == mk
-            rows_sel = sel[lr]
-            lat = lv[rows_sel] if rows_sel.any() else np.zeros(1)
-            p50, p95, p99 = (float(x) for x in np.percentile(lat, [50, 95, 99]))
-            brows = int(counts[sel].sum())
-            policy.observe(CostWindow(
-                target_version=spec.version, draft_version=DRAFT_VERSION, batch_bucket=buckets[0].batch_bucket,
-                context_bucket=buckets[0].context_bucket, max_k=int(mk), rounds=int(sel.sum()),
-                tokens_verified=brows + int(drafted[sel].sum()), emitted=int(emitted_round[sel].sum()),
-                batch_rows=brows,
-                draft_s=_stat(parts[sel, 0]), verify_s=_stat(parts[sel, 1]), other_s=_stat(parts[sel, 2]),
-                latency_p50=p50, latency_p95=p95, latency_p99=p99))
+            emitted_round += np.bincount(np.repeat(np.arange(N), counts[:, ti]), weights=acc + 1.0, minlength=N)
+            # One record per outcome, shared by every row that had it (records are frozen).
+            outcome = [RowRecord(cal.types[ti], ctx_len, k, a, a + 1) for a in range(k + 1)]
+            start = 0
+            for n, end in enumerate(np.cumsum(counts[:, ti]).tolist()):
+                rows_of[n].extend(map(outcome.__getitem__, acc[start:end].tolist()))
+                start = end
+        # Windows come from the engine's own aggregation code, so they cannot drift from real ones.
+        agg = aggregate(
+            RoundRecord(round_index=n, batch_size=spec.batch_size, max_k=int(maxk[n]),
+                        tokens_verified=spec.batch_size + int(drafted[n]), draft_s=float(parts[n, 0]),
+                        verify_s=float(parts[n, 1]), other_s=float(parts[n, 2]), target_version=spec.version,
+                        draft_version=DRAFT_VERSION, rows=tuple(rows_of[n]))
+            for n in range(N)
+        )
+        for a in agg.acceptance:
+            policy.observe(a)
+        for c in agg.cost:
+            policy.observe(c)
         res.tokens[wi], res.seconds[wi], res.rounds[wi] = emitted_round.sum(), wall.sum(), N
         res.expected_goodput[wi] = tok_round / s_round
     return res
-
-
-def _stat(x: np.ndarray) -> Stat:
-    return Stat(count=int(x.size), total=float(x.sum()), sumsq=float((x * x).sum()), max=float(x.max(initial=0.0)))
 
 
 def to_jsonable(x: Any) -> Any:
