@@ -7,13 +7,15 @@ from policies.base import Decision, DecisionKind, Policy
 from policies.batch_table import BatchTablePolicy
 from policies.goodput import GoodputPolicy
 from policies.hf_heuristic import HFHeuristicPolicy
-from policies.sglang_adaptive import SGLangAdaptivePolicy
+from policies.sglang_adaptive import SGLangAdaptiveBSPolicy, SGLangAdaptivePolicy
 from policies.static import StaticPolicy
+from policies.trtllm_schedule import TRTLLMSchedulePolicy
 from policies.ucb import UCBPolicy
 
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (StaticPolicy, BatchTablePolicy, HFHeuristicPolicy, SGLangAdaptivePolicy, UCBPolicy, GoodputPolicy)
+    for cls in (StaticPolicy, BatchTablePolicy, TRTLLMSchedulePolicy, HFHeuristicPolicy, SGLangAdaptivePolicy,
+                SGLangAdaptiveBSPolicy, UCBPolicy, GoodputPolicy)
 }
 
 __all__ = [
@@ -24,7 +26,9 @@ __all__ = [
     "GoodputPolicy",
     "HFHeuristicPolicy",
     "Policy",
+    "SGLangAdaptiveBSPolicy",
     "SGLangAdaptivePolicy",
     "StaticPolicy",
+    "TRTLLMSchedulePolicy",
     "UCBPolicy",
 ]

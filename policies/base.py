@@ -29,7 +29,7 @@ from telemetry.records import (
     cost_from_dict,
 )
 
-SNAPSHOT_VERSION = 3  # bump when a snapshot's shape changes; restore() rejects other versions
+SNAPSHOT_VERSION = 4  # bump when a snapshot's shape changes; restore() rejects other versions
 Window = AcceptanceWindow | CostWindow
 
 

@@ -1,116 +1,121 @@
-"""``batch_table``: a hand-set draft length per batch size, as engines take it at start-up.
+"""``batch_table``: vLLM's ``num_speculative_tokens_per_batch_size``, a hand-set K per batch-size range.
 
-Two source formats, both read from the engines' own code:
+Source: ``vllm/v1/spec_decode/dynamic/utils.py`` (vllm-project/vllm PR #32374, Dynamic SD),
+``validate_and_normalize_dynamic_sd_schedule`` and ``build_dynamic_sd_schedule_lookup``:
 
-- vLLM ``speculative_config.num_speculative_tokens_per_batch_size``: a list of ``[start_bs, end_bs, K]``
-  (or ``[start_bs, end_bs, ctx_lo, ctx_hi, K]``) entries, inclusive ranges starting at 1. Batch sizes past the
-  last range keep the last K (``vllm/v1/spec_decode/dynamic/utils.py``,
-  ``validate_and_normalize_dynamic_sd_schedule`` and ``build_dynamic_sd_schedule_lookup``).
-- TensorRT-LLM ``draft_len_schedule``: ``{batch_size_key: draft_len}`` where each key is the largest batch size
-  its draft_len applies to ("up to key"), found by ``bisect`` (``tensorrt_llm/_torch/speculative/utils.py``,
-  ``get_draft_len_for_batch_size``; ``tensorrt_llm/_torch/speculative/drafter.py``, ``Drafter``). Above the
-  largest key, and above ``max_concurrency`` (``Drafter.should_use_spec_decode``), speculation is off.
+- entries are all ``[bs_lo, bs_hi, K]`` or all ``[bs_lo, bs_hi, ctx_lo, ctx_hi, K]``; ranges are **inclusive**,
+  batch-size ranges non-overlapping, the first starting at 1; context ranges contiguous from 1, the last one
+  open-ended, and every batch-size range has the same context ranges (a rectangular grid);
+- a batch size in a **gap** between two ranges takes the **previous** range's K, one past the last range keeps the
+  last K; the K run is ``min(num_speculative_tokens, K)`` (here: clamped to ``k_max``);
+- a context length picks the first context range whose end is >= it (the last one beyond).
 
-The batch size of a bucket is its ``batch_bucket`` (the bucket's upper edge).
+The batch size of a bucket is its ``batch_bucket`` (the bucket's upper edge, as an engine pads to a CUDA-graph
+size); its context length is a representative of its context bucket (:func:`~policies.base.context_len_of`).
+TensorRT-LLM's ``draft_len_schedule`` is another format with other rules: :mod:`policies.trtllm_schedule`.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
-from policies.base import Decision, Policy, context_len_of
+from policies.base import Decision, DecisionKind, Policy, context_len_of
 from telemetry.records import Bucket
 
 CTX_INFINITY = 2**31 - 1  # as vLLM's _CTX_INFINITY: the last context range is open-ended
+DEFAULT_SCHEDULE = ((1, 4, 4), (5, 16, 2), (17, 64, 1), (65, 256, 0))  # a typical hand-set table
+
+Entry = tuple[int, int, int, int, int]  # (bs_lo, bs_hi, ctx_lo, ctx_hi, K), normalized
 
 
-def vllm_schedule_lookup(schedule: list[list[int]], batch_size: int, context_len: int) -> int:
-    """K for (batch size, context) under vLLM's ``num_speculative_tokens_per_batch_size`` semantics.
+def normalize_schedule(schedule: Sequence[Sequence[int]]) -> list[Entry]:
+    """vLLM ``validate_and_normalize_dynamic_sd_schedule``: checked 5-item entries sorted by (bs_lo, ctx_lo).
+
+    Raises:
+        ValueError: naming the rule the schedule breaks.
+    """
+    if not schedule:
+        raise ValueError("the schedule must not be empty")
+    arities = {len(e) for e in schedule}
+    if not arities <= {3, 5}:
+        raise ValueError("each entry must be [bs_lo, bs_hi, K] or [bs_lo, bs_hi, ctx_lo, ctx_hi, K]")
+    if len(arities) > 1:
+        raise ValueError("entries must all be 3-item or all 5-item; vLLM does not mix the two forms")
+    rows: list[Entry] = []
+    for e in schedule:
+        lo, hi, clo, chi, k = (int(e[0]), int(e[1]), 1, CTX_INFINITY, int(e[2])) if len(e) == 3 else map(int, e)
+        if lo <= 0 or lo > hi:
+            raise ValueError(f"batch-size range ({lo}, {hi}) must be positive with start <= end")
+        if clo <= 0 or clo > chi:
+            raise ValueError(f"context range ({clo}, {chi}) must be positive with start <= end")
+        if k < 0:
+            raise ValueError(f"K must be >= 0, got {k}")
+        rows.append((lo, hi, clo, chi, k))
+    bs_ranges = sorted({(r[0], r[1]) for r in rows})
+    for (_, prev_hi), (lo, _) in pairwise(bs_ranges):
+        if lo <= prev_hi:
+            raise ValueError("batch-size ranges must not overlap")
+    if bs_ranges[0][0] != 1:
+        raise ValueError("the first batch-size range must start at 1 so every batch size has a K")
+    ctx_ranges = sorted({(r[2], r[3]) for r in rows})
+    if len(rows) != len(bs_ranges) * len(ctx_ranges):
+        raise ValueError(f"the schedule must be a rectangular grid: {len(rows)} entries for {len(bs_ranges)} "
+                         f"batch-size ranges x {len(ctx_ranges)} context ranges")
+    if ctx_ranges[0][0] != 1:
+        raise ValueError("the first context range must start at 1")
+    for (_, prev_hi), (lo, _) in pairwise(ctx_ranges):
+        if lo != prev_hi + 1:
+            raise ValueError("context ranges must be contiguous, without gaps or overlaps")
+    hi_of = {lo: hi for lo, hi in ctx_ranges[:-1]} | {ctx_ranges[-1][0]: CTX_INFINITY}  # the last is open-ended
+    if len({(r[0], r[1], r[2]) for r in rows}) != len(rows):
+        raise ValueError("duplicate schedule cell")
+    return sorted(((lo, hi, clo, hi_of[clo], k) for lo, hi, clo, _, k in rows), key=lambda r: (r[0], r[2]))
+
+
+def vllm_schedule_lookup(schedule: Sequence[Entry], batch_size: int, context_len: int) -> int:
+    """K for (batch size, context) as vLLM's dense lookup holds it (before the ``num_speculative_tokens`` cap).
 
     Args:
-        schedule: ``[[start_bs, end_bs, K], ...]`` or ``[[start_bs, end_bs, ctx_lo, ctx_hi, K], ...]``.
+        schedule: the output of :func:`normalize_schedule`.
         batch_size: runtime batch size (>= 1).
         context_len: runtime context length in tokens.
     """
-    rows = [(e[0], e[1], 1, CTX_INFINITY, e[2]) if len(e) == 3 else tuple(e) for e in schedule]
-    ctx_ranges = sorted({(r[2], r[3]) for r in rows})
+    ctx_ranges = sorted({(r[2], r[3]) for r in schedule})
     ctx = next(((lo, hi) for lo, hi in ctx_ranges if context_len <= hi), ctx_ranges[-1])
-    in_ctx = sorted((r for r in rows if (r[2], r[3]) == ctx), key=lambda r: r[0])
-    last_k = in_ctx[0][4]
-    for lo, hi, _, _, k in in_ctx:
+    k = 0  # unreachable: the first range starts at 1
+    for lo, hi, _, _, rk in (r for r in schedule if (r[2], r[3]) == ctx):  # sorted by bs_lo
         if batch_size < lo:
-            return last_k  # gap between ranges: vLLM fills it with the previous range's K
-        last_k = k
+            return k  # a gap between ranges: the previous range's K
+        k = rk
         if batch_size <= hi:
             return k
-    return last_k  # past the last range: keep the last K
-
-
-def trtllm_schedule_lookup(schedule: dict[int, int], batch_size: int, max_concurrency: int | None = None) -> int:
-    """draft_len for a batch size under TensorRT-LLM's ``draft_len_schedule`` ("up to key") semantics."""
-    if max_concurrency is not None and batch_size > max_concurrency:
-        return 0
-    keys = sorted(schedule)
-    i = bisect_left(keys, batch_size)
-    return schedule[keys[i]] if i < len(keys) else 0
-
-
-def _validate_vllm(schedule: list[list[int]]) -> None:
-    if not schedule or any(len(e) not in (3, 5) for e in schedule) or len({len(e) for e in schedule}) > 1:
-        raise ValueError("schedule entries must all be [start_bs, end_bs, K] or all [bs_lo, bs_hi, ctx_lo, ctx_hi, K]")
-    for e in schedule:
-        if e[0] <= 0 or e[0] > e[1] or e[-1] < 0:
-            raise ValueError(f"bad schedule entry {e}: need 1 <= start_bs <= end_bs and K >= 0")
-    if min(e[0] for e in schedule) != 1:
-        raise ValueError("the first batch-size range must start at 1 (as vLLM requires)")
+    return k  # past the last range: the last K
 
 
 class BatchTablePolicy(Policy):
-    """A fixed table from batch size (and optionally context) to k. Learns nothing.
+    """A fixed vLLM ``num_speculative_tokens_per_batch_size`` table. Learns nothing.
 
     Args:
-        schedule: vLLM-style ``[[start_bs, end_bs, K], ...]`` (3- or 5-item entries).
-        draft_len_schedule: alternatively a TensorRT-LLM ``{batch_size_key: draft_len}``.
-        max_concurrency: TensorRT-LLM's cap above which speculation is off.
-        k_max: see :class:`~policies.base.Policy`.
+        schedule: ``[[bs_lo, bs_hi, K], ...]`` or ``[[bs_lo, bs_hi, ctx_lo, ctx_hi, K], ...]`` (inclusive).
+        k_max: see :class:`~policies.base.Policy` (vLLM's ``num_speculative_tokens`` cap).
         seed: unused.
     """
 
     name = "batch_table"
 
-    def __init__(
-        self,
-        schedule: list[list[int]] | None = None,
-        draft_len_schedule: dict[int, int] | None = None,
-        max_concurrency: int | None = None,
-        k_max: int = 8,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, schedule: Sequence[Sequence[int]] = DEFAULT_SCHEDULE, k_max: int = 8, seed: int = 0) -> None:
         super().__init__(k_max=k_max, seed=seed)
-        if schedule is None and draft_len_schedule is None:
-            schedule = [[1, 4, 4], [5, 16, 2], [17, 64, 1], [65, 256, 0]]  # a typical hand-set table
-        if schedule is not None:
-            _validate_vllm(schedule)
-        self.schedule = [list(map(int, e)) for e in schedule] if schedule is not None else None
-        self.draft_len_schedule = {int(k): int(v) for k, v in (draft_len_schedule or {}).items()} or None
-        self.max_concurrency = max_concurrency
+        self.schedule = normalize_schedule(schedule)
 
     def _decide(self, bucket: Bucket, explore: bool) -> Decision:
         bs = max(1, bucket.batch_bucket)
-        if self.schedule is not None:
-            k = vllm_schedule_lookup(self.schedule, bs, context_len_of(bucket.context_bucket))
-            return Decision(k=k, reason=f"vLLM schedule at batch {bs}")
-        assert self.draft_len_schedule is not None
-        k = trtllm_schedule_lookup(self.draft_len_schedule, bs, self.max_concurrency)
-        return Decision(k=k, reason=f"TensorRT-LLM draft_len_schedule at batch {bs}")
+        k = vllm_schedule_lookup(self.schedule, bs, context_len_of(bucket.context_bucket))
+        return Decision(k=k, reason=f"vLLM schedule at batch {bs}", kind=DecisionKind.RULE)
 
     def _get_state(self) -> dict[str, Any]:
-        return {"schedule": self.schedule,
-                "draft_len_schedule": {str(k): v for k, v in (self.draft_len_schedule or {}).items()},
-                "max_concurrency": self.max_concurrency}
+        return {"schedule": [list(e) for e in self.schedule]}
 
     def _set_state(self, state: dict[str, Any]) -> None:
-        self.schedule = state["schedule"]
-        self.draft_len_schedule = {int(k): int(v) for k, v in state["draft_len_schedule"].items()} or None
-        self.max_concurrency = state["max_concurrency"]
+        self.schedule = normalize_schedule(state["schedule"])

@@ -12,10 +12,35 @@ exploration bonus ``c * sqrt(2 ln N / n)`` is unit-free. No sharing across cells
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
-from policies.base import Decision, DecisionKind, Policy, Window, cell_key
+from policies.base import Decision, DecisionKind, Policy, Window
 from telemetry.records import Bucket, CostWindow
+
+CellKey = tuple[str, str, int, str]  # (target version, draft version, batch-size bucket, context bucket)
+
+
+@dataclass(frozen=True)
+class Arms:
+    """One cell's bandit: pulls and summed scaled rewards per arm k = 0..k_max, and the scale."""
+
+    n: tuple[int, ...]  # [K + 1] windows observed at each k
+    sums: tuple[float, ...]  # [K + 1] summed rewards, each goodput / best
+    best: float  # the best goodput seen in the cell (tokens/s): the reward scale
+
+    @classmethod
+    def empty(cls, k_max: int) -> Arms:
+        return cls((0,) * (k_max + 1), (0.0,) * (k_max + 1), 0.0)
+
+    def pulled(self, k: int, goodput: float) -> Arms:
+        """The arms after one window of ``goodput`` at ``k``; past rewards rescale to a new maximum."""
+        sums, best = self.sums, self.best
+        if goodput > best:
+            ratio = best / goodput if best > 0 else 0.0
+            sums, best = tuple(x * ratio for x in sums), goodput
+        n = tuple(c + (i == k) for i, c in enumerate(self.n))
+        return Arms(n, tuple(x + (goodput / best if i == k else 0.0) for i, x in enumerate(sums)), best)
 
 
 class UCBPolicy(Policy):
@@ -34,16 +59,16 @@ class UCBPolicy(Policy):
         if c < 0:
             raise ValueError(f"c must be >= 0, got {c}")
         self.c = c
-        self._cells: dict[str, dict[str, Any]] = {}  # key -> {"n": [K+1], "sum": [K+1], "best": float}
+        self._cells: dict[CellKey, Arms] = {}
 
     def _decide(self, bucket: Bucket, explore: bool) -> Decision:
         b = bucket
-        cell = self._cells.get(cell_key(b.target_version, b.draft_version, b.batch_bucket, b.context_bucket))
+        cell = self._cells.get((b.target_version, b.draft_version, b.batch_bucket, b.context_bucket))
         if cell is None:
             # unknown cell: start exploring from the arm order (the same one for every unknown bucket)
             return Decision(k=0 if explore else 1, exploring=explore, reason="unknown cell: first arm",
                             kind=DecisionKind.EXPLORE if explore else DecisionKind.FIRST)
-        n, s, best = cell["n"], cell["sum"], max(cell["best"], 1e-12)
+        n, s, best = cell.n, cell.sums, max(cell.best, 1e-12)
         means = {k: s[k] / n[k] * best for k in range(self.k_max + 1) if n[k] > 0}
         if not explore:
             k = max(means, key=lambda j: means[j]) if means else 1
@@ -67,23 +92,21 @@ class UCBPolicy(Policy):
         w = window
         if w.max_k > self.k_max:
             return
-        key = cell_key(w.target_version, w.draft_version, w.batch_bucket, w.context_bucket)
-        cell = self._cells.setdefault(key, {"n": [0] * (self.k_max + 1), "sum": [0.0] * (self.k_max + 1), "best": 0.0})
+        key = (w.target_version, w.draft_version, w.batch_bucket, w.context_bucket)
         wall = w.draft_s.total + w.verify_s.total + w.other_s.total
         if wall <= 0:
             return
-        g = w.emitted / wall
-        if g > cell["best"]:  # rescale past rewards to the new maximum
-            ratio = cell["best"] / g if cell["best"] > 0 else 0.0
-            cell["sum"] = [x * ratio for x in cell["sum"]]
-            cell["best"] = g
-        cell["n"][w.max_k] += 1
-        cell["sum"][w.max_k] += g / cell["best"]
+        self._cells[key] = self._cells.get(key, Arms.empty(self.k_max)).pulled(w.max_k, w.emitted / wall)
 
     def _get_state(self) -> dict[str, Any]:
-        cells = {k: {"n": list(v["n"]), "sum": list(v["sum"]), "best": v["best"]} for k, v in self._cells.items()}
-        return {"cells": cells}
+        return {"cells": [[t, d, bb, c, list(a.n), list(a.sums), a.best]
+                          for (t, d, bb, c), a in sorted(self._cells.items())]}
 
     def _set_state(self, state: dict[str, Any]) -> None:
-        self._cells = {str(k): {"n": [int(x) for x in v["n"]], "sum": [float(x) for x in v["sum"]],
-                                "best": float(v["best"])} for k, v in state["cells"].items()}
+        cells: dict[CellKey, Arms] = {}
+        for t, d, bb, c, n, sums, best in state["cells"]:
+            if len(n) != self.k_max + 1 or len(sums) != self.k_max + 1:
+                raise ValueError(f"cell {t}|{d}|{bb}|{c} has {len(n)} arms, this policy has {self.k_max + 1}")
+            cells[(str(t), str(d), int(bb), str(c))] = Arms(tuple(int(x) for x in n), tuple(float(x) for x in sums),
+                                                           float(best))
+        self._cells = cells
