@@ -11,11 +11,12 @@ from policies.sglang_adaptive import SGLangAdaptiveBSPolicy, SGLangAdaptivePolic
 from policies.static import StaticPolicy
 from policies.trtllm_schedule import TRTLLMSchedulePolicy
 from policies.ucb import UCBPolicy
+from policies.vllm_dynamic import VLLMDynamicPolicy
 
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (StaticPolicy, BatchTablePolicy, TRTLLMSchedulePolicy, HFHeuristicPolicy, SGLangAdaptivePolicy,
-                SGLangAdaptiveBSPolicy, UCBPolicy, GoodputPolicy)
+                SGLangAdaptiveBSPolicy, VLLMDynamicPolicy, UCBPolicy, GoodputPolicy)
 }
 
 __all__ = [
@@ -31,4 +32,5 @@ __all__ = [
     "StaticPolicy",
     "TRTLLMSchedulePolicy",
     "UCBPolicy",
+    "VLLMDynamicPolicy",
 ]

@@ -113,7 +113,7 @@ def test_garbage_windows_rejected(name: str) -> None:
 
 def test_registry_names_match() -> None:
     assert set(REGISTRY) == {"static", "batch_table", "trtllm_schedule", "hf_heuristic", "sglang_adaptive",
-                             "sglang_adaptive_bs", "ucb", "goodput"}
+                             "sglang_adaptive_bs", "vllm_dynamic", "ucb", "goodput"}
     for name, cls in REGISTRY.items():
         assert cls.name == name
 
