@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", type=Path, default=None, help="write {url, pid} here once serving")
 
     sub.add_parser("demo", help="the embedded demo (spectune demo --help for its options)", add_help=False)
+    sub.add_parser("ingest", help="store vLLM / SGLang / TensorRT-LLM telemetry as windows", add_help=False)
+    sub.add_parser("export", help="the policy table as a vLLM / TensorRT-LLM / SGLang / HF config", add_help=False)
 
     p = sub.add_parser("bench", help=f"run a benchmark: {', '.join(BENCHES)} (args after NAME go to it)",
                        add_help=False)
@@ -135,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run a subcommand; returns the exit status."""
     args_in = list(sys.argv[1:] if argv is None else argv)
     try:
+        if args_in and args_in[0] in ("ingest", "export"):  # other engines' telemetry and configs
+            from controller.offline import cli as offline
+
+            return int(offline.main(args_in))
         if args_in and args_in[0] == "demo":
             from controller.reference import demo
 

@@ -1,0 +1,193 @@
+"""``spectune ingest`` and ``spectune export`` (hooked into ``controller/cli.py``'s ``main``).
+
+Expected failures raise :class:`~telemetry.errors.SpectuneError` subclasses (or ``ValueError`` from a config),
+which ``controller.cli.main`` prints as one ``error:`` line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from controller.offline.ingest import SOURCES, IngestConfig, IngestError, Ingestor, follow, ingest_paths, summary_lines
+from telemetry.store import DEFAULT_DB_URL
+
+COMMANDS = ("ingest", "export")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="spectune", description="Work with serving engines outside spectune.")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
+    sub.required = True
+    p = sub.add_parser("ingest", help="store an engine's spec-decode telemetry as windows",
+                       description="Sources: vllm-prom (Prometheus text; files of '# SCRAPE [unix s]'-separated "
+                                   "scrapes, or --follow URL), vllm-log (log lines), vllm-request (per-request "
+                                   "metrics JSON lines), sglang (meta_info JSON lines), sglang-prom (gauges; "
+                                   "reported only), trtllm (iteration stats JSON lines).")
+    p.add_argument("source", choices=SOURCES)
+    p.add_argument("paths", nargs="*", help="files to read ('-' for stdin)")
+    p.add_argument("--follow", metavar="URL", default=None, help="poll this /metrics URL (vllm-prom, sglang-prom)")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between polls with --follow")
+    p.add_argument("--duration", type=float, default=None, help="stop following after this many seconds")
+    p.add_argument("--scrapes", type=int, default=None, help="stop following after this many scrapes")
+    p.add_argument("--version", default=None, help="target version of every window (default: the model name)")
+    p.add_argument("--model", default=None, help="model name for records that name none (logs, TensorRT-LLM)")
+    p.add_argument("--draft-version", default="unknown")
+    p.add_argument("--request-type", default="unknown", help="when the whole source is one request type")
+    p.add_argument("--engine-id", default=None)
+    p.add_argument("--db-url", default=DEFAULT_DB_URL)
+    p.add_argument("--auto-upgrade", action="store_true", help="create or migrate the database first")
+    p.add_argument("--rejects", type=Path, default=None,
+                   help="JSON lines of rejected and skipped records (default: spectune-rejects-SOURCE.jsonl)")
+    p.add_argument("--summary-json", type=Path, default=None, help="write the run's counts and observations here")
+    p.add_argument("--dry-run", action="store_true", help="parse and count; store nothing")
+
+    p = sub.add_parser("export", help="the policy table in an engine's own format, with the projection's loss")
+    p.add_argument("engine", choices=("vllm", "trtllm", "sglang", "sglang-adaptive", "hf"))
+    p.add_argument("--table", type=Path, default=None, help="policy table JSON (default: latest in --db-url)")
+    p.add_argument("--db-url", default=None, help="the store: latest table and the observed traffic mix")
+    p.add_argument("--target-version", default=None, help="versions to look the table up for (default: most "
+                                                          "traffic)")
+    p.add_argument("--draft-version", default=None)
+    p.add_argument("--context-grid", action="store_true", help="vllm: [bs_lo, bs_hi, ctx_lo, ctx_hi, K] entries")
+    p.add_argument("--max-batch-size", type=int, default=None, help="trtllm: the engine's largest batch")
+    p.add_argument("--base", default=None, help="vllm: JSON merged into the speculative config (method, model)")
+    p.add_argument("--out", type=Path, default=None, help="write the config here instead of stdout")
+    return ap
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    return _ingest(args) if args.cmd == "ingest" else _export(args)
+
+
+# ------------------------------------------------------------------------------------------------ ingest
+def _ingest(args: argparse.Namespace) -> int:
+    from telemetry.store import Store
+
+    if bool(args.paths) == bool(args.follow):
+        raise IngestError("give files to read or --follow URL (one of them)")
+    if args.follow and args.source not in ("vllm-prom", "sglang-prom"):
+        raise IngestError("--follow polls a Prometheus /metrics endpoint: use it with vllm-prom or sglang-prom")
+    if args.interval <= 0:
+        raise IngestError("--interval must be > 0 seconds")
+    cfg = IngestConfig(source=args.source, version=args.version, model=args.model,
+                       draft_version=args.draft_version, request_type=args.request_type, engine_id=args.engine_id)
+    rejects_path = args.rejects or Path(f"spectune-rejects-{args.source}.jsonl")
+    store = None if args.dry_run else Store(args.db_url, auto_upgrade=args.auto_upgrade)
+    try:
+        with rejects_path.open("a", encoding="utf-8") as rejects:
+            ing = Ingestor(cfg, store, rejects)
+            if args.follow:
+                stop = threading.Event()
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, lambda *_: stop.set())
+                if args.duration is not None:
+                    threading.Timer(args.duration, stop.set).start()
+                print(f"following {args.follow} every {args.interval:g}s (Ctrl-C stops)", file=sys.stderr)
+                follow(ing, args.follow, args.interval, stop, max_scrapes=args.scrapes,
+                       on_scrape=lambda n: print(f"scrape {n}: {ing.summary.acceptance_windows} acceptance "
+                                                 "windows so far", file=sys.stderr))
+                stop.set()
+            else:
+                ingest_paths(ing, args.paths)
+    finally:
+        if store is not None:
+            store.close()
+    if rejects_path.exists() and rejects_path.stat().st_size == 0:
+        rejects_path.unlink()
+    for line in summary_lines(ing.summary, str(rejects_path)):
+        print(line)
+    if args.summary_json is not None:
+        args.summary_json.write_text(json.dumps(ing.summary.to_dict(), indent=1, default=str))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ export
+def _export(args: argparse.Namespace) -> int:
+    from controller.offline import export as ex
+    from controller.offline import project as pj
+    from controller.offline._compat import policy_table_from_json
+    from telemetry.records import DEFAULT_BUCKETS
+    from telemetry.store import Store
+
+    acc: list[Any] = []
+    cost: list[Any] = []
+    table = None
+    if args.table is not None:
+        try:
+            table = policy_table_from_json(args.table.read_bytes())
+        except OSError as e:
+            raise ex.ExportError(f"cannot read {args.table}: {e}") from e
+    if args.db_url is not None:
+        with Store(args.db_url) as store:
+            if table is None:
+                table = store.latest_policy_version()
+            acc = [w.window for w in store.acceptance_windows()]
+            cost = [w.window for w in store.cost_windows()]
+    if table is None:
+        raise ex.ExportError("no policy table: pass --table FILE, or --db-url of a store a sidecar has published to")
+    versions = None
+    if args.target_version or args.draft_version:
+        if not (args.target_version and args.draft_version):
+            raise ex.ExportError("give both --target-version and --draft-version")
+        versions = (args.target_version, args.draft_version)
+    traffic = pj.traffic_from_windows(acc, cost, table, versions)
+    full = pj.table_k(table, traffic)
+    schedule = pj.project_batches(traffic, full)
+    contexts = DEFAULT_BUCKETS.context_labels()
+    if args.engine == "vllm":
+        base = _json_arg(args.base, "--base") if args.base else None
+        grid = pj.project_grid(traffic, full, contexts) if args.context_grid else None
+        out = ex.vllm_export(schedule, grid, contexts, base)
+    elif args.engine == "trtllm":
+        out = ex.trtllm_export(schedule, args.max_batch_size)
+    elif args.engine == "sglang":
+        out = ex.sglang_export(pj.best_k(traffic, full, traffic.batches))
+    elif args.engine == "sglang-adaptive":
+        cands = {b: sorted({full(c[0], b, c[1]) for c in traffic.mix}) for b in traffic.batches}
+        out = ex.sglang_adaptive_export(cands, schedule, str(args.out or "adaptive.json"))
+    else:
+        out = ex.hf_export(schedule[min(traffic.batches)] if 1 not in schedule else schedule[1])
+    text = json.dumps(out.config)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    else:
+        print(text)
+    err = sys.stderr
+    if out.args:
+        print("flags: " + " ".join(_quote(a) for a in out.args), file=err)
+    for note in (*traffic.notes, *out.notes):
+        print(f"note: {note}", file=err)
+    full_g = pj.predicted(traffic, full, out.batches)
+    proj_g = pj.predicted(traffic, out.k_of, out.batches)
+    unit = "tok/s" if traffic.has_seconds else "x plain decoding"
+    loss = 100 * (1 - proj_g / full_g) if full_g > 0 else 0.0
+    print(f"predicted goodput (analytic model, traffic-weighted, table v{table.version} for "
+          f"{'|'.join(traffic.versions)}): full table {full_g:.3f} {unit}, exported {proj_g:.3f} {unit} "
+          f"({loss:.1f}% lost to the projection)", file=err)
+    return 0
+
+
+def _json_arg(text: str, what: str) -> dict[str, Any]:
+    from controller.offline.export import ExportError
+
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise ExportError(f"{what} is not JSON: {e}") from e
+    if not isinstance(v, dict):
+        raise ExportError(f"{what} must be a JSON object")
+    return v
+
+
+def _quote(a: str) -> str:
+    import shlex
+
+    return shlex.quote(a)

@@ -1,0 +1,339 @@
+"""``spectune ingest``: run a source's parser over files, stdin or a ``/metrics`` URL and store the windows.
+
+Nothing is lost: a malformed record is rejected with its line number and reason, a valid record that yields no
+window (mixed draft lengths, totals without a histogram) is skipped with its reason, and both are counted in the
+summary and written, with the raw text, to the rejects file (JSON lines). Every other record is still ingested.
+
+Each record becomes one :class:`~telemetry.records.WindowBatch` whose ``(engine_id, seq)`` is derived from the
+record itself (its origin, line number and text, or its scrape interval), so ingesting the same file twice
+stores it once.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from controller.offline._compat import check_label
+from controller.offline.sources import sglang, trtllm, vllm_log, vllm_prom, vllm_request
+from controller.offline.sources.common import UNKNOWN, Parsed, SourceError, SourceLabels, stable_seq
+from telemetry.errors import SpectuneError, StoreError
+from telemetry.records import MAX_NAME_LEN, WindowBatch
+from telemetry.store import Store
+
+LINE_SOURCES = ("vllm-log", "vllm-request", "sglang", "trtllm")  # one record per line
+SCRAPE_SOURCES = ("vllm-prom", "sglang-prom")  # Prometheus text, one scrape at a time
+SOURCES = SCRAPE_SOURCES[:1] + LINE_SOURCES + SCRAPE_SOURCES[1:]
+FLUSH_EVERY = 500  # window batches per store transaction
+MAX_RAW_KEPT = 4000  # characters of a rejected record kept in the rejects file
+MIXED_WARNING = ("per-position counters mix draft lengths (a batch-size schedule such as vLLM's "
+                 "num_speculative_tokens_per_batch_size?): those intervals were not split by length and are not "
+                 "stored; scrape more often or ingest per-request metrics")
+
+
+class IngestError(SpectuneError):
+    """A source cannot be ingested at all (unknown source, no model name, unreadable file)."""
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    """One ``spectune ingest`` run.
+
+    Raises:
+        ValueError: an unknown source or a label that breaks the bucket-key rules.
+    """
+
+    source: str  # one of SOURCES
+    version: str | None = None  # --version: the target version of every window (else the engine's model name)
+    model: str | None = None  # the model name for records that carry none (log lines, TensorRT-LLM stats)
+    draft_version: str = UNKNOWN  # no engine names its draft model in its telemetry
+    request_type: str = UNKNOWN  # when the whole source is known to be one request type
+    engine_id: str | None = None  # the store's engine id (default: derived from the source)
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown source {self.source!r}; choose one of: {', '.join(SOURCES)}")
+        for v, what in ((self.version, "--version"), (self.model, "--model")):
+            if v is not None:
+                check_label(v, what)
+        check_label(self.draft_version, "--draft-version")
+        check_label(self.request_type, "--request-type")
+        if self.engine_id is not None and not 0 < len(self.engine_id) <= MAX_NAME_LEN:
+            raise ValueError(f"--engine-id must be 1..{MAX_NAME_LEN} characters")
+
+    def labels(self, model: str | None = None) -> SourceLabels:
+        """The labels of a record whose own model name is ``model`` (None: it names none)."""
+        target = self.version or model or self.model
+        if target is None:
+            raise SourceError("no_model_name", "the record names no model; pass --model NAME or --version V")
+        return SourceLabels(target_version=target, draft_version=self.draft_version, request_type=self.request_type)
+
+
+@dataclass(frozen=True)
+class Reject:
+    """A record that yielded no window: where it was, why, and its text."""
+
+    origin: str
+    line: int
+    kind: str  # "malformed" (rejected) or "skipped" (valid, but no window can be made from it)
+    reason: str
+    detail: str
+    raw: str
+
+
+@dataclass
+class IngestSummary:
+    """What one run did (counts, for the command's output and the tests)."""
+
+    records: int = 0
+    acceptance_windows: int = 0
+    cost_windows: int = 0
+    batches_new: int = 0
+    batches_duplicate: int = 0
+    malformed: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
+    notes: Counter[str] = field(default_factory=Counter)
+    totals: Counter[str] = field(default_factory=Counter)  # drafts / draft_tokens / accepted over every record
+    observations: list[dict[str, Any]] = field(default_factory=list)  # reported, not stored (gauges, latency)
+    store_failures: int = 0
+    last_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        for k in ("malformed", "skipped", "notes", "totals"):
+            d[k] = dict(d[k])
+        return d
+
+
+class Ingestor:
+    """Parses records of one source and stores their windows.
+
+    Args:
+        config: the run's configuration.
+        store: where the windows go (None: parse and count only, ``--dry-run``).
+        rejects: where rejected and skipped records are written as JSON lines (None: kept in memory only).
+    """
+
+    def __init__(self, config: IngestConfig, store: Store | None, rejects: TextIO | None = None) -> None:
+        self.config = config
+        self._store = store
+        self._rejects_out = rejects
+        self._pending: list[WindowBatch] = []
+        self._prom: vllm_prom.PromFollower | None = None
+        self.rejects: list[Reject] = []
+        self.summary = IngestSummary()
+
+    # ------------------------------------------------------------------------------------------- records
+    def line(self, text: str, line_no: int, origin: str) -> None:
+        """Parse and queue one line of a line source."""
+        src = self.config.source
+        try:
+            try:
+                named = _model_of(text) if src in ("vllm-request", "sglang") else None
+                labels, unnamed = self.config.labels(named), None
+            except SourceError as e:  # parse anyway: a malformed line is reported as malformed first
+                labels, unnamed = self.config.labels(UNKNOWN), e
+            if src == "vllm-log":
+                res: Parsed | list[Parsed] | None = vllm_log.parse_line(text, labels)
+            elif src == "vllm-request":
+                res = vllm_request.parse_line(text, labels)
+            elif src == "sglang":
+                res = sglang.parse_line(text, labels)
+            else:
+                res = trtllm.parse_line(text, labels)
+        except (SourceError, ValueError) as e:
+            self._reject(origin, line_no, "malformed", getattr(e, "reason", "bad_label"), str(e), text)
+            return
+        if res is None:
+            return
+        if unnamed is not None:
+            self._reject(origin, line_no, "malformed", unnamed.reason, str(unnamed), text)
+            return
+        for i, p in enumerate(res if isinstance(res, list) else [res]):
+            eid = self.config.engine_id or f"{src}:{labels.target_version}"[:MAX_NAME_LEN]
+            self._record(p, eid, stable_seq(src, origin, line_no, i, text), origin, line_no, text, None)
+
+    def scrape(self, text: str, line_no: int, origin: str, timestamp: float | None = None) -> None:
+        """Parse and queue one Prometheus scrape (``vllm-prom``: one interval per engine; ``sglang-prom``: gauges)."""
+        try:
+            if self.config.source == "sglang-prom":
+                for row in sglang.parse_gauges(text):
+                    self.summary.records += 1
+                    self.summary.observations.append({"origin": origin, "line": line_no, "timestamp": timestamp,
+                                                      **row})
+                    self.summary.skipped["gauges_only"] += 1
+                return
+            scrape = vllm_prom.parse_scrape(text, timestamp)
+        except SourceError as e:
+            self._reject(origin, line_no, "malformed", e.reason, str(e), text)
+            return
+        if self._prom is None:
+            self._prom = vllm_prom.PromFollower(
+                SourceLabels(self.config.version or self.config.model or UNKNOWN, self.config.draft_version,
+                             self.config.request_type),
+                version=self.config.version, model_name=None)
+        try:
+            results = self._prom.feed(scrape)
+        except (SourceError, ValueError) as e:
+            self._reject(origin, line_no, "malformed", getattr(e, "reason", "bad_label"), str(e), text)
+            return
+        for (model, engine), start, end, parsed in results:
+            eid = self.config.engine_id or f"vllm:{engine}"[:MAX_NAME_LEN]
+            seq = stable_seq("vllm-prom", model, engine, start, end, parsed.totals.get("drafts"),
+                             parsed.totals.get("accepted"))
+            self._record(parsed, eid, seq, origin, line_no, f"[model_name={model} engine={engine}]", (start, end))
+
+    def _record(self, p: Parsed, engine_id: str, seq: int, origin: str, line_no: int, raw: str,
+                span: tuple[float, float] | None) -> None:
+        s = self.summary
+        s.records += 1
+        s.totals.update({k: int(v) for k, v in p.totals.items()})
+        s.notes.update(p.notes)
+        if p.observation is not None:
+            s.observations.append({"origin": origin, "line": line_no, **p.observation})
+        if p.skipped is not None and p.skipped not in ("first_scrape", "idle"):
+            self._reject(origin, line_no, "skipped", p.skipped, p.detail, raw)
+        elif p.skipped is not None:
+            s.skipped[p.skipped] += 1  # nothing to keep: a baseline scrape or an interval without drafts
+        if not p.acceptance and not p.cost:
+            return
+        now = time.time()
+        start, end = span if span is not None else (now, now)
+        self._pending.append(WindowBatch(engine_id=engine_id, seq=seq, window_start=min(start, end),
+                                         window_end=end, acceptance=p.acceptance, cost=p.cost))
+        s.acceptance_windows += len(p.acceptance)
+        s.cost_windows += len(p.cost)
+        if len(self._pending) >= FLUSH_EVERY:
+            self.flush()
+
+    def _reject(self, origin: str, line_no: int, kind: str, reason: str, detail: str, raw: str) -> None:
+        (self.summary.malformed if kind == "malformed" else self.summary.skipped)[reason] += 1
+        r = Reject(origin, line_no, kind, reason, detail, raw[:MAX_RAW_KEPT])
+        self.rejects.append(r)
+        if self._rejects_out is not None:
+            self._rejects_out.write(json.dumps(r.__dict__) + "\n")
+            self._rejects_out.flush()
+
+    # --------------------------------------------------------------------------------------------- store
+    def flush(self) -> bool:
+        """Store the queued windows; on a store failure keep them queued (a follower retries) and count it."""
+        if self._store is None:  # --dry-run: parsed and counted, not stored
+            self._pending.clear()
+            return True
+        if not self._pending:
+            return True
+        try:
+            fresh = self._store.ingest_new(self._pending)
+        except (StoreError, SQLAlchemyError) as e:
+            self.summary.store_failures += 1
+            self.summary.last_error = f"store: {e}"
+            return False
+        self.summary.batches_new += len(fresh)
+        self.summary.batches_duplicate += len(self._pending) - len(fresh)
+        self._pending.clear()
+        return True
+
+
+def _model_of(line: str) -> str | None:
+    """The ``model`` an OpenAI-style response names, if the line is one (checked as a label later)."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    m = obj.get("model") if isinstance(obj, dict) else None
+    return m if isinstance(m, str) and m else None
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+def read_text(path: str) -> str:
+    """A file's text (``-`` is stdin). Raises :class:`IngestError` when it cannot be read."""
+    import sys
+
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise IngestError(f"cannot read {path}: {e}") from e
+
+
+def ingest_paths(ing: Ingestor, paths: Iterable[str]) -> None:
+    """Feed files (or stdin) to ``ing``: lines for line sources, ``# SCRAPE``-separated scrapes otherwise."""
+    for path in paths:
+        text = read_text(path)
+        if ing.config.source in SCRAPE_SOURCES:
+            for line_no, ts, chunk in vllm_prom.split_scrapes(text):
+                ing.scrape(chunk, line_no, path, ts)
+        else:
+            for n, line in enumerate(text.splitlines(), 1):
+                ing.line(line, n, path)
+    ing.flush()
+
+
+def fetch(url: str, timeout_s: float) -> str:
+    """One scrape of ``url``. Raises :class:`IngestError` naming the URL when it does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return str(resp.read().decode("utf-8", errors="replace"))
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise IngestError(f"cannot scrape {url}: {e}") from e
+
+
+def follow(ing: Ingestor, url: str, interval_s: float, stop: threading.Event, max_scrapes: int | None = None,
+           timeout_s: float = 5.0, on_scrape: Callable[[int], None] | None = None) -> int:
+    """Poll ``url`` every ``interval_s`` seconds until ``stop`` is set (or ``max_scrapes`` scrapes).
+
+    A failed scrape is rejected (``scrape_failed``, kept with its error) and polling goes on; a store failure keeps
+    the windows queued for the next poll. Returns the number of scrapes attempted.
+    """
+    n = 0
+    while not stop.is_set() and (max_scrapes is None or n < max_scrapes):
+        n += 1
+        t0 = time.monotonic()
+        try:
+            text = fetch(url, timeout_s)
+        except IngestError as e:
+            ing._reject(url, n, "malformed", "scrape_failed", str(e), "")
+        else:
+            ing.scrape(text, n, url, time.time())
+        ing.flush()
+        if on_scrape is not None:
+            on_scrape(n)
+        if max_scrapes is not None and n >= max_scrapes:
+            break
+        stop.wait(max(0.0, interval_s - (time.monotonic() - t0)))
+    return n
+
+
+def summary_lines(s: IngestSummary, rejects_path: str | None) -> Iterator[str]:
+    """The human-readable summary of a run."""
+    yield (f"{s.records} records: {s.acceptance_windows} acceptance and {s.cost_windows} cost windows, "
+           f"{s.batches_new} new window batches stored ({s.batches_duplicate} already stored)")
+    drafts, accepted = s.totals.get("drafts", 0), s.totals.get("accepted", 0)
+    if drafts:
+        yield f"all records: {drafts} drafts, {accepted} accepted, mean acceptance length {1 + accepted / drafts:.3f}"
+    if s.malformed:
+        yield "rejected (malformed): " + ", ".join(f"{k} {v}" for k, v in sorted(s.malformed.items()))
+    if s.skipped:
+        yield "no window (kept): " + ", ".join(f"{k} {v}" for k, v in sorted(s.skipped.items()))
+    if s.notes.get("mixed_draft_lengths"):
+        yield f"warning: {s.notes['mixed_draft_lengths']} records: {MIXED_WARNING}"
+    if s.notes.get("counter_reset"):
+        yield f"note: {s.notes['counter_reset']} counter resets (engine restarts): counted from zero after each"
+    if s.observations:
+        yield (f"{len(s.observations)} observations without a window (gauges, batch size, latency) are in the "
+               "--summary-json output")
+    if s.store_failures:
+        yield f"warning: {s.store_failures} store failures; last: {s.last_error}"
+    if rejects_path and (s.malformed or any(k not in ("first_scrape", "idle") for k in s.skipped)):
+        yield f"rejected and skipped records, with line numbers and text: {rejects_path}"

@@ -1,0 +1,219 @@
+"""Projecting spectune's (request type, batch, context) table onto what an engine can take, and what it costs.
+
+Engines take a schedule keyed by batch size only (or batch size and context). For each batch bucket the
+projection keeps one of the k values the table uses there: the one with the highest predicted goodput over the
+observed traffic mix of that batch bucket. The mix comes from the store: the share of rows per (request type,
+context bucket) from acceptance windows, and the share of rows per batch bucket within a context bucket from
+cost windows.
+
+Predicted goodput is the analytic model of :func:`policies.analytic.speedup` (Leviathan et al. 2023, Theorem
+3.8), per row: ``speedup(alpha, k, c)`` with
+
+- ``alpha`` per (request type, context bucket): pooled per-position acceptance of the stored histograms
+  (accepted drafts over positions tried), falling back to the request type's, then every window's, then
+  ``PRIOR_ALPHA``;
+- ``c`` per (batch bucket, context bucket): one draft step's seconds over the verify seconds of a round, from cost
+  windows with k > 0, falling back to the batch bucket's, every window's, then ``PRIOR_DRAFT_COST``.
+
+Tokens per second are ``speedup * batch / forward seconds`` where cost windows give a round's verify seconds for
+the cell; without them the figure is the speedup over plain decoding alone. The per-row model ignores that rows
+of one round wait for its largest k, so it flatters the full table a little on engines with one k per batch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from controller.offline._compat import lookup
+from policies.analytic import speedup
+from telemetry.records import DEFAULT_BUCKETS, WILDCARD, AcceptanceWindow, Bucket, CostWindow, PolicyTable
+
+PRIOR_ALPHA = 0.6  # the acceptance prior of policies' AcceptanceModel
+PRIOR_DRAFT_COST = 0.1  # one draft step per verify forward, as policies._cost's PRIOR_DRAFT_PER_K
+
+Cell = tuple[str, str]  # (request type, context bucket)
+KFn = Callable[[str, int, str], int]  # (request type, batch bucket, context bucket) -> k
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The observed traffic mix and the model inputs derived from stored windows."""
+
+    mix: dict[Cell, float]  # share of rows per (request type, context bucket); sums to 1
+    batch_share: dict[str, dict[int, float]]  # context bucket -> batch bucket -> share within the context bucket
+    alpha: dict[Cell, float]  # per-token acceptance per cell
+    draft_cost: dict[tuple[int, str], float]  # c per (batch bucket, context bucket)
+    forward_s: dict[tuple[int, str], float]  # verify seconds of one round per (batch bucket, context bucket)
+    batches: tuple[int, ...]  # batch buckets the schedules cover
+    observed: bool  # whether any window was stored (else uniform weights and priors)
+    versions: tuple[str, str] = (WILDCARD, WILDCARD)  # (target, draft) the table is looked up for
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def weight(self, cell: Cell, batch: int) -> float:
+        share = self.batch_share.get(cell[1]) or self.batch_share.get("*") or {}
+        return self.mix[cell] * (share.get(batch, 0.0) if share else 1.0 / len(self.batches))
+
+    def alpha_of(self, cell: Cell) -> float:
+        return self.alpha.get(cell, PRIOR_ALPHA)
+
+    def goodput(self, cell: Cell, batch: int, k: int) -> float:
+        """Predicted tokens/s of rows of ``cell`` at ``batch`` drafting k (a speedup factor when no seconds)."""
+        key = (batch, cell[1])
+        c = self.draft_cost.get(key, self.draft_cost.get((batch, "*"), self.draft_cost.get((0, "*"),
+                                                                                            PRIOR_DRAFT_COST)))
+        s = speedup(self.alpha_of(cell), k, c)
+        fwd = self.forward_s.get(key) or self.forward_s.get((batch, "*"))
+        return s * batch / fwd if fwd else s
+
+    @property
+    def has_seconds(self) -> bool:
+        return bool(self.forward_s)
+
+
+def traffic_from_windows(acceptance: Sequence[AcceptanceWindow], cost: Sequence[CostWindow],
+                         table: PolicyTable, versions: tuple[str, str] | None = None,
+                         batches: Iterable[int] = DEFAULT_BUCKETS.batch_edges) -> Traffic:
+    """The traffic mix and model inputs of stored windows (pure; :func:`traffic_from_store` reads them)."""
+    acceptance = [a for a in acceptance if versions is None or (a.target_version, a.draft_version) == versions]
+    cost = [c for c in cost if versions is None or (c.target_version, c.draft_version) == versions]
+    if versions is None:
+        versions = _versions(acceptance, cost, table)
+    batch_set = sorted(set(batches) | _table_batches(table) | {c.batch_bucket for c in cost})
+    rows: Counter[Cell] = Counter()
+    succ: dict[Cell, float] = defaultdict(float)
+    tried: dict[Cell, float] = defaultdict(float)
+    for a in acceptance:
+        cell = (a.request_type, a.context_bucket)
+        rows[cell] += a.rows
+        tail = a.rows
+        for i in range(a.k):  # position i + 1 is tried by rows that accepted >= i, kept by rows that accepted > i
+            tried[cell] += tail
+            tail -= a.hist[i]
+            succ[cell] += tail
+    notes = []
+    if not rows:
+        cells = _table_cells(table)
+        rows = Counter(dict.fromkeys(cells, 1))
+        notes.append("no acceptance windows stored: every (request type, context) weighs the same, alpha is the "
+                     f"prior {PRIOR_ALPHA}")
+    total = sum(rows.values())
+    alpha = _pooled(succ, tried, rows)
+    share: dict[str, Counter[int]] = defaultdict(Counter)
+    draft_per_k: dict[tuple[int, str], float] = defaultdict(float)
+    verify: dict[tuple[int, str], float] = defaultdict(float)
+    rounds: dict[tuple[int, str], float] = defaultdict(float)
+    verify_k: dict[tuple[int, str], float] = defaultdict(float)
+    for c in cost:
+        for ctx in (c.context_bucket, "*"):
+            share[ctx][c.batch_bucket] += c.batch_rows
+            for key in ((c.batch_bucket, ctx), (0, "*")) if ctx == "*" else ((c.batch_bucket, ctx),):
+                rounds[key] += c.rounds
+                verify[key] += c.verify_s.total
+                if c.max_k > 0:
+                    draft_per_k[key] += c.draft_s.total / c.max_k
+                    verify_k[key] += c.verify_s.total
+    if not cost:
+        notes.append(f"no cost windows stored: batch buckets weigh the same, c is the prior {PRIOR_DRAFT_COST}, "
+                     "and goodput is a speedup over plain decoding, not tokens/s")
+    batch_share = {ctx: {b: n / sum(cnt.values()) for b, n in cnt.items()} for ctx, cnt in share.items()}
+    draft_cost = {key: draft_per_k[key] / verify_k[key] for key in draft_per_k if verify_k[key] > 0}
+    forward = {key: verify[key] / rounds[key] for key in rounds if rounds[key] > 0 and key[0] > 0}
+    return Traffic(mix={cell: n / total for cell, n in rows.items()}, batch_share=batch_share, alpha=alpha,
+                   draft_cost=draft_cost, forward_s=forward, batches=tuple(batch_set), observed=bool(acceptance),
+                   versions=versions, notes=tuple(notes))
+
+
+def _pooled(succ: dict[Cell, float], tried: dict[Cell, float], rows: Counter[Cell]) -> dict[Cell, float]:
+    """alpha per cell, falling back to its request type's, then to every cell's pooled acceptance."""
+    by_type_s: dict[str, float] = defaultdict(float)
+    by_type_n: dict[str, float] = defaultdict(float)
+    for (rt, _), n in tried.items():
+        by_type_s[rt] += succ[(rt, _)]
+        by_type_n[rt] += n
+    all_n = sum(tried.values())
+    glob = sum(succ.values()) / all_n if all_n else PRIOR_ALPHA
+    out = {}
+    for cell in rows:
+        if tried.get(cell):
+            out[cell] = succ[cell] / tried[cell]
+        elif by_type_n.get(cell[0]):
+            out[cell] = by_type_s[cell[0]] / by_type_n[cell[0]]
+        else:
+            out[cell] = glob
+    return out
+
+
+def _versions(acc: Sequence[AcceptanceWindow], cost: Sequence[CostWindow], table: PolicyTable) -> tuple[str, str]:
+    """The (target, draft) pair with the most rows, else the one the table names most, else wildcards."""
+    seen: Counter[tuple[str, str]] = Counter()
+    for a in acc:
+        seen[(a.target_version, a.draft_version)] += a.rows
+    for c in cost:
+        seen[(c.target_version, c.draft_version)] += c.batch_rows
+    if not seen:
+        for key in table.entries:
+            t, d = key.split("|")[:2]
+            if WILDCARD not in (t, d):
+                seen[(t, d)] += 1
+    return seen.most_common(1)[0][0] if seen else (WILDCARD, WILDCARD)
+
+
+def _table_batches(table: PolicyTable) -> set[int]:
+    return {int(p) for key in table.entries if (p := key.split("|")[3]) != WILDCARD}
+
+
+def _table_cells(table: PolicyTable) -> list[Cell]:
+    types = sorted({key.split("|")[2] for key in table.entries} - {WILDCARD}) or [WILDCARD]
+    ctxs = sorted({key.split("|")[4] for key in table.entries} - {WILDCARD}) or [WILDCARD]
+    return [(t, c) for t in types for c in ctxs]
+
+
+def table_k(table: PolicyTable, traffic: Traffic) -> KFn:
+    """The full table as a function (request type, batch, context) -> k."""
+    t, d = traffic.versions
+    return lambda rt, b, ctx: lookup(table, Bucket(t, d, rt, b, ctx))
+
+
+def predicted(traffic: Traffic, k_of: KFn, batches: Iterable[int] | None = None) -> float:
+    """Traffic-weighted predicted goodput of a decision function over ``batches`` (default: all)."""
+    bs = list(traffic.batches if batches is None else batches)
+    num = den = 0.0
+    for cell in traffic.mix:
+        for b in bs:
+            w = traffic.weight(cell, b)
+            if w > 0:
+                num += w * traffic.goodput(cell, b, k_of(cell[0], b, cell[1]))
+                den += w
+    return num / den if den else 0.0
+
+
+def best_k(traffic: Traffic, full: KFn, batches: Iterable[int], contexts: set[str] | None = None) -> int:
+    """The k, among those the full table uses in ``batches`` (and ``contexts``), with the highest predicted
+    goodput over their traffic; without observed windows, the k most of their traffic gets (ties: the smaller)."""
+    bs = list(batches)
+    cells = [c for c in traffic.mix if contexts is None or c[1] in contexts]
+    if not cells and contexts:  # no traffic seen in these contexts: the request types seen, at these contexts
+        cells = [(rt, ctx) for rt in sorted({c[0] for c in traffic.mix}) for ctx in sorted(contexts)]
+    weights = {(cell, b): traffic.weight(cell, b) if cell in traffic.mix else 0.0 for cell in cells for b in bs}
+    if sum(weights.values()) <= 0:  # no traffic seen there: every cell weighs the same
+        weights = {key: 1.0 for key in weights}
+    candidates = sorted({full(cell[0], b, cell[1]) for cell, b in weights})
+    if not traffic.observed:
+        votes: dict[int, float] = defaultdict(float)
+        for (cell, b), w in weights.items():
+            votes[full(cell[0], b, cell[1])] += w
+        return max(candidates, key=lambda k: (votes[k], -k))
+    return max(candidates, key=lambda k: (sum(w * traffic.goodput(cell, b, k) for (cell, b), w in weights.items()),
+                                          -k))
+
+
+def project_batches(traffic: Traffic, full: KFn) -> dict[int, int]:
+    """Batch bucket -> k (a batch-size-only schedule)."""
+    return {b: best_k(traffic, full, [b]) for b in traffic.batches}
+
+
+def project_grid(traffic: Traffic, full: KFn, contexts: Sequence[str]) -> dict[tuple[int, str], int]:
+    """(batch bucket, context bucket) -> k (vLLM's context-dependent schedule)."""
+    return {(b, ctx): best_k(traffic, full, [b], {ctx}) for b in traffic.batches for ctx in contexts}

@@ -1,0 +1,156 @@
+"""What every external source shares: the labels a source is ingested under, what a parsed record yields, and
+the one builder of acceptance windows from a histogram.
+
+Conventions (the vocabulary of ``telemetry/records.py``):
+
+- A source's **model name** is the target version (``--version`` overrides it). Whatever a source cannot know is
+  the label ``unknown`` (:data:`UNKNOWN`): the request type always (no engine reports it), the draft model
+  version unless given, the context bucket unless the record says where the request's context started and ended
+  and both fall in one bucket. Nothing is guessed.
+- An acceptance window needs the histogram of accepted drafts at one draft length k. A record that cannot give
+  it exactly (draft lengths mixed within the record, totals without a distribution) yields no window: it is
+  *skipped* with a countable reason, and its totals are kept in the summary.
+- ``emitted = accepted + rows`` (the bonus token counted, as vLLM counts acceptance length); engines report the
+  verifier's view, so a row that finished mid-draft is counted as if it had emitted its bonus token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.offline._compat import check_label
+from telemetry.records import (
+    DEFAULT_BUCKETS,
+    MAX_DRAFT_LEN,
+    AcceptanceWindow,
+    BucketConfig,
+    CostWindow,
+)
+
+UNKNOWN = "unknown"  # the label of what a source cannot know (request type, context bucket, draft version)
+SEQ_MASK = (1 << 63) - 1  # window batch seqs are stored as BIGINT
+
+
+class SourceError(ValueError):
+    """A record that is not in the format it claims to be. ``reason`` is a short, countable label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class SourceLabels:
+    """The labels every window of one ingested source carries.
+
+    Raises:
+        ValueError: a label breaks the bucket-key rules (1..64 printable characters, no ``|``).
+    """
+
+    target_version: str  # the engine's model name, or --version
+    draft_version: str = UNKNOWN  # no engine telemetry names its draft model
+    request_type: str = UNKNOWN  # no engine reports one; --request-type when a whole source is one type
+    buckets: BucketConfig = field(default=DEFAULT_BUCKETS)  # context edges for records that report their context
+
+    def __post_init__(self) -> None:
+        check_label(self.target_version, "target version (the model name; pass --version for a shorter one)")
+        check_label(self.draft_version, "draft version")
+        check_label(self.request_type, "request type")
+
+    def with_target(self, target_version: str) -> SourceLabels:
+        return SourceLabels(target_version, self.draft_version, self.request_type, self.buckets)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """What one record of a source yields."""
+
+    acceptance: tuple[AcceptanceWindow, ...] = ()
+    cost: tuple[CostWindow, ...] = ()
+    skipped: str | None = None  # a valid record that yields no window, and why (a countable label)
+    detail: str = ""  # the skip's explanation, for the rejects file
+    notes: tuple[str, ...] = ()  # flags worth a warning (e.g. ``mixed_draft_lengths``), counted in the summary
+    totals: dict[str, float] = field(default_factory=dict)  # drafts / draft_tokens / accepted, stored or not
+    observation: dict[str, Any] | None = None  # what the record said that has no window (gauges, latency)
+
+
+def stable_seq(*parts: object) -> int:
+    """A 63-bit id from ``parts``: the same record ingested twice gets the same ``(engine_id, seq)``, so the
+    store keeps it once."""
+    h = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "big") & SEQ_MASK
+
+
+def as_int(v: Any, what: str, lo: int = 0) -> int:
+    """A non-negative integer field (JSON ints, or floats that are whole numbers, as Prometheus writes them)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise SourceError("bad_field", f"{what} must be a number, got {type(v).__name__}")
+    if isinstance(v, float) and not (v == v and v not in (float("inf"), float("-inf")) and v.is_integer()):
+        raise SourceError("bad_field", f"{what}={v} is not a whole number")
+    if v < lo:
+        raise SourceError("bad_field", f"{what}={v} < {lo}")
+    return int(v)
+
+
+def as_float(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or v != v or v in (float("inf"), float("-inf")):
+        raise SourceError("bad_field", f"{what} must be a finite number, got {v!r}")
+    if v < 0:
+        raise SourceError("bad_field", f"{what}={v} is negative")
+    return float(v)
+
+
+def hist_from_tail(drafts: int, at_least: list[int]) -> list[int]:
+    """The histogram of accepted drafts from "accepted >= i + 1" counts at one draft length.
+
+    Args:
+        drafts: rows that drafted (vLLM ``num_drafts``).
+        at_least: ``[k]`` rows that accepted at least i + 1 drafts (vLLM ``num_accepted_tokens_per_pos``).
+
+    Returns:
+        ``[k + 1]`` rows that accepted exactly 0..k drafts.
+
+    Raises:
+        SourceError: ``inconsistent_counts`` when the counts rise with the position or exceed ``drafts``.
+    """
+    tail = [drafts, *at_least, 0]
+    hist = [tail[i] - tail[i + 1] for i in range(len(at_least))] + [at_least[-1] if at_least else drafts]
+    if any(h < 0 for h in hist):
+        raise SourceError("inconsistent_counts", f"per-position counts {at_least} are not non-increasing "
+                                                 f"from drafts={drafts}")
+    return hist
+
+
+def acceptance_window(labels: SourceLabels, context_bucket: str, hist: list[int]) -> AcceptanceWindow:
+    """The acceptance window of rows that all drafted ``k = len(hist) - 1`` tokens.
+
+    Args:
+        labels: the source's labels.
+        context_bucket: a context bucket label or :data:`UNKNOWN`.
+        hist: ``[k + 1]`` rows that accepted exactly 0..k drafts.
+    """
+    k = len(hist) - 1
+    if not 0 <= k <= MAX_DRAFT_LEN:
+        raise SourceError("bad_draft_length", f"draft length {k} outside [0, {MAX_DRAFT_LEN}]")
+    if any(h < 0 for h in hist):
+        raise SourceError("bad_histogram", f"negative count in {hist}")
+    rows = sum(hist)
+    accepted = sum(i * h for i, h in enumerate(hist))
+    return AcceptanceWindow(
+        target_version=labels.target_version, draft_version=labels.draft_version,
+        request_type=labels.request_type, context_bucket=context_bucket, k=k, rows=rows, drafted=rows * k,
+        accepted=accepted, emitted=accepted + rows, hist=tuple(hist),
+    )
+
+
+def context_bucket_of(buckets: BucketConfig, start: Any, end: Any) -> str:
+    """The context bucket of a request whose context grew from ``start`` to ``end`` tokens, when both ends fall
+    in one bucket; :data:`UNKNOWN` otherwise (which bucket its rounds were in is not recorded)."""
+    if isinstance(start, int) and isinstance(end, int) and not isinstance(start, bool) and 0 <= start <= end:
+        a, b = buckets.context_bucket(start), buckets.context_bucket(end)
+        if a == b:
+            return a
+    return UNKNOWN
