@@ -89,7 +89,9 @@ def _ingest(args: argparse.Namespace) -> int:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, lambda *_: stop.set())
                 if args.duration is not None:
-                    threading.Timer(args.duration, stop.set).start()
+                    timer = threading.Timer(args.duration, stop.set)
+                    timer.daemon = True  # --scrapes may end the run first; the timer must not hold the process
+                    timer.start()
                 print(f"following {args.follow} every {args.interval:g}s (Ctrl-C stops)", file=sys.stderr)
                 follow(ing, args.follow, args.interval, stop, max_scrapes=args.scrapes,
                        on_scrape=lambda n: print(f"scrape {n}: {ing.summary.acceptance_windows} acceptance "
