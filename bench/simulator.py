@@ -439,14 +439,38 @@ def buckets_of(cal: Calibration, spec: WindowSpec) -> list[Bucket]:
     return [Bucket(spec.version, DRAFT_VERSION, t, bb, cal.bucket_label(spec.context)) for t in cal.types]
 
 
+def interference_factors(n_windows: int, seed: int, busy_share: float, slowdown: float = 1.6,
+                         stretch: tuple[int, int] = (2, 12)) -> np.ndarray:
+    """``[W]`` per-window multipliers on round seconds: stretches of a busy neighbour stealing CPU.
+
+    About ``busy_share`` of the windows fall in seeded busy stretches of ``stretch`` windows, during which every
+    round costs ``slowdown`` times as much (one busy process on a 2-core machine: measured 1.5-1.8x on the
+    reference engine). 0 gives a quiet machine.
+    """
+    out = np.ones(n_windows)
+    if busy_share <= 0:
+        return out
+    rng = np.random.default_rng([seed, 7])
+    wi = 0
+    while wi < n_windows:
+        n = int(rng.integers(stretch[0], stretch[1] + 1))
+        if rng.random() < busy_share:
+            out[wi: wi + n] = slowdown
+        wi += n
+    return out
+
+
 def simulate(policy: Policy, cal: Calibration, specs: Sequence[WindowSpec], window_s: float = WINDOW_S,
-             seed: int = 0, noise: float = 0.03) -> SimResult:
+             seed: int = 0, noise: float = 0.03, busy_share: float = 0.0) -> SimResult:
     """Run ``policy`` over the workload; returns per-window tokens, seconds and analytic goodput.
 
     Windows last ``window_s`` of wall time (as the engine's emitter aggregates), so a policy that makes rounds
     cheaper runs more of them: every policy spends the same time in every window and tok/s totals compare fairly.
+    ``busy_share`` > 0 adds a busy neighbour (:func:`interference_factors`): every policy meets the same busy
+    windows.
     """
     rng = np.random.default_rng(seed)
+    slow = interference_factors(len(specs), seed, busy_share)
     n_w = len(specs)
     res = SimResult(np.zeros(n_w), np.zeros(n_w), np.zeros(n_w), np.zeros(n_w))
     T = len(cal.types)
@@ -454,6 +478,7 @@ def simulate(policy: Policy, cal: Calibration, specs: Sequence[WindowSpec], wind
         buckets = buckets_of(cal, spec)
         ks = np.array([min(policy.decide(b).k, cal.K) for b in buckets])  # [T]
         tok_round, s_round = expected_round(cal, spec, [int(k) for k in ks])
+        s_round *= slow[wi]
         N = max(1, round(window_s / s_round))
         res.ks.append({b.key(): int(k) for b, k, m in zip(buckets, ks, spec.mix, strict=True) if m > 0.01})
         counts = rng.multinomial(spec.batch_size, spec.mix, size=N)  # [N, T] rows per type per round
@@ -461,7 +486,7 @@ def simulate(policy: Policy, cal: Calibration, specs: Sequence[WindowSpec], wind
         steps = (ks[:, None] > np.arange(cal.K)[None, :]).astype(int)  # [T, K]: type t drafts at step j
         drafted = counts @ ks  # [N]
         parts = cal.packed_round_s(spec.batch_size, spec.context, maxk, counts @ steps, drafted.astype(float))
-        parts = parts * (1.0 + noise * rng.standard_normal((N, 1)))
+        parts = parts * (slow[wi] * (1.0 + noise * rng.standard_normal((N, 1))))
         parts = np.maximum(parts, 0.0)  # [N, 3]
         wall = parts.sum(axis=1)
         ctx_len = cal.context_len[spec.context]

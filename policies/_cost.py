@@ -37,6 +37,13 @@ A cell's own measurements then correct the shared fit: each cell has a scale fac
 the model's, shrunk toward 1 with ``prior_windows``); a cell measured at three k > 0 (or two, 3 apart)
 corrects the shared slope in k with its own (a residual linear in k); and a k the cell was measured at is
 predicted from its measurement (shrunk toward the corrected model the same way).
+The machine's speed moves (another tenant steals a core): a window measured in a slow spell must not make its k
+look dear next to ks measured in a quiet one. Every window of a (cell, k) already measured over
+``ESTABLISHED_WINDOWS`` windows is compared with what the model predicts for it; the median of the last
+``speed_memory`` such ratios is the machine's current slowness, and every window's seconds are divided by it
+before they are added. Windows taken close together are thereby compared at one speed (a paired comparison),
+and a spell of contention moves the speed estimate, not the cost of whichever k happened to be served in it.
+The median (not a mean) lets one odd window move nothing.
 For Thompson sampling the seconds of a k the cell was never measured at are drawn around the prediction
 (log-normal, ``explore_spread``): a mis-extrapolated k then gets tried and measured instead of being ruled out
 for good by a deterministic guess.
@@ -57,6 +64,7 @@ PRIOR_DRAFT_PER_K = 0.1  # before any fit: one draft step costs 10% of a verify 
 PARTS = ("draft", "verify", "other")
 MIN_OWN_SLOPE_SPAN = 3  # two ks closer than this give a cell's own slope from noise, not from cost
 ROUNDS_PER_FULL_WINDOW = 10.0  # a window of r rounds counts r / (r + 10) windows of evidence
+ESTABLISHED_WINDOWS = 2.0  # a (cell, k) with this much evidence votes on the machine's current speed
 
 CostCell = tuple[int, str]  # (batch-size bucket, context bucket): what a round's cost is learnt per
 
@@ -125,14 +133,18 @@ class CostModel:
         refit_every: cost windows between refits once warmed up (early on it refits more often).
         decay: multiplier on old aggregates per window of the same (cell, k), for drift.
         explore_spread: log-normal sigma of sampled seconds for a k never measured in the cell.
+        speed_memory: recent windows whose median ratio (observed / predicted) is the machine's slowness; 0 keeps
+            raw seconds (see the module docstring).
     """
 
     def __init__(self, k_max: int, prior_windows: float = 2.0, refit_every: int = 16, decay: float = 0.999,
-                 explore_spread: float = 0.1) -> None:
-        if prior_windows < 0 or refit_every < 1 or not 0 < decay <= 1 or explore_spread < 0:
-            raise ValueError("prior_windows, explore_spread must be >= 0, refit_every >= 1 and decay in (0, 1]")
+                 explore_spread: float = 0.1, speed_memory: int = 3) -> None:
+        if prior_windows < 0 or refit_every < 1 or not 0 < decay <= 1 or explore_spread < 0 or speed_memory < 0:
+            raise ValueError("prior_windows, explore_spread, speed_memory must be >= 0, refit_every >= 1 and decay "
+                             "in (0, 1]")
         self.k_max, self.prior_windows, self.refit_every, self.decay = k_max, prior_windows, refit_every, decay
-        self.explore_spread = explore_spread
+        self.explore_spread, self.speed_memory = explore_spread, speed_memory
+        self._speed: list[float] = []  # the last speed_memory ratios observed / predicted of established windows
         self._agg: dict[CostCell, dict[int, CostAggregate]] = {}  # cell -> k -> decayed sums
         self._since_fit = 0
         self._n_seen = 0
@@ -144,10 +156,13 @@ class CostModel:
 
         ``drafted``: tokens drafted over all rows and rounds; None means every row drafted ``k``.
         """
+        d = float(batch_rows * k) if drafted is None else float(drafted)
+        if self.speed_memory and rounds > 0:
+            slow = self._slowness(batch_bucket, ctx, k, rounds, batch_rows, d, draft_s + verify_s + other_s)
+            draft_s, verify_s, other_s = draft_s / slow, verify_s / slow, other_s / slow
         cell = self._agg.setdefault((batch_bucket, ctx), {})
         new_key = k not in cell
         weight = rounds / (rounds + ROUNDS_PER_FULL_WINDOW)  # a window of a few rounds is a weak measurement
-        d = float(batch_rows * k) if drafted is None else float(drafted)
         cell.setdefault(k, CostAggregate()).add(self.decay, rounds, batch_rows, draft_s, verify_s, other_s, weight,
                                                 d)
         self._since_fit += 1
@@ -156,6 +171,19 @@ class CostModel:
         # corrects an extrapolation most.
         if new_key or self._since_fit >= min(self.refit_every, max(1, self._n_seen // 4)):
             self.refit()
+
+    def _slowness(self, batch_bucket: int, ctx: str, k: int, rounds: int, batch_rows: int, drafted: float,
+                  seconds: float) -> float:
+        """The machine's current slowness (1 = as measured so far), updated with this window if it can vote."""
+        agg = self._cell(batch_bucket, ctx).get(k)
+        if self._coef is not None and agg is not None and agg.windows >= ESTABLISHED_WINDOWS and k <= self.k_max:
+            b = batch_rows / rounds
+            want = float(self.predict(batch_bucket, ctx, b)[k].sum())
+            want -= self.per_token(batch_bucket, ctx) * max(0.0, b * k - drafted / rounds)
+            if want > 0:
+                self._speed.append(seconds / rounds / want)
+                del self._speed[: -self.speed_memory]
+        return float(np.median(self._speed)) if len(self._speed) >= min(3, self.speed_memory) else 1.0
 
     def _cell(self, batch_bucket: int, ctx: str) -> dict[int, CostAggregate]:
         """k -> aggregate of one cell (read only)."""
@@ -304,7 +332,8 @@ class CostModel:
         agg = [{"batch_bucket": bb, "context_bucket": ctx, "k": k, **asdict(a)}
                for (bb, ctx), by_k in self._agg.items() for k, a in by_k.items()]
         coef = None if self._coef is None else [c.tolist() for c in self._coef]
-        return {"agg": agg, "since_fit": self._since_fit, "n_seen": self._n_seen, "coef": coef}
+        return {"agg": agg, "since_fit": self._since_fit, "n_seen": self._n_seen, "coef": coef,
+                "speed": list(self._speed)}
 
     def set_state(self, st: dict[str, Any]) -> None:
         """Inverse of :meth:`get_state`."""
@@ -313,6 +342,7 @@ class CostModel:
             cell = self._agg.setdefault((int(rec["batch_bucket"]), str(rec["context_bucket"])), {})
             cell[int(rec["k"])] = CostAggregate(**{f: float(rec[f]) for f in AGGREGATE_FIELDS})
         self._since_fit, self._n_seen = int(st["since_fit"]), int(st["n_seen"])
+        self._speed = [float(x) for x in st["speed"]]
         coef = st["coef"]
         if coef is not None and len(coef) != len(PARTS):
             raise ValueError(f"cost fit has {len(coef)} parts, expected {len(PARTS)}")

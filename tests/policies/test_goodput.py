@@ -164,3 +164,26 @@ def test_cost_model_learns_per_token_cost_from_mixed_rounds() -> None:
     # The uniform-k prediction answers for every row drafting k, though the windows drafted less.
     want = step * 4 + plain + per_row * 64 + per_tok * 64 * 4
     assert cm.predict(64, "short", 64.0)[4].sum() == pytest.approx(want, rel=0.05)
+
+
+def test_cost_model_slow_spell_does_not_make_its_k_dear() -> None:
+    """A busy neighbour slows every round 1.6x while only k=4 is served: k=4's cost must not absorb it."""
+
+    def window(cm: CostModel, k: int, slow: float) -> None:
+        secs = (0.010 + 0.002 * k) * slow  # per round, all in verify for simplicity
+        cm.observe(16, "short", k, 10, 160, 0.0, 10 * secs, 0.0)
+
+    robust, raw = CostModel(k_max=8), CostModel(k_max=8, speed_memory=0)
+    for cm in (robust, raw):
+        for _ in range(10):  # a quiet stretch measuring both ks
+            window(cm, 2, 1.0)
+            window(cm, 4, 1.0)
+        for _ in range(20):  # a slow spell serving k=4 only
+            window(cm, 4, 1.6)
+        cm.refit()
+    ratio = {name: cm.predict(16, "short", 16.0)[4].sum() / cm.predict(16, "short", 16.0)[2].sum()
+             for name, cm in (("robust", robust), ("raw", raw))}
+    quiet = (0.010 + 0.008) / (0.010 + 0.004)
+    # The median of 3 needs two slow votes to move: the spell's first window lands raw (about 5% here).
+    assert ratio["robust"] == pytest.approx(quiet, rel=0.08)
+    assert ratio["raw"] > 1.2 * quiet  # what the robust estimate prevents
