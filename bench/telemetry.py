@@ -42,8 +42,9 @@ from bench._common import write_results
 from telemetry.aggregate import aggregate
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.ingest import Consumer, ConsumerConfig
+from telemetry.migrate import upgrade
 from telemetry.records import WindowBatch
-from telemetry.store import Store, upgrade
+from telemetry.store import Store
 from telemetry.synthetic import SyntheticConfig, synthetic_rounds
 from telemetry.transport import RedisConfig, RedisStreamsTransport, encode_batch
 from telemetry.urls import redact_url

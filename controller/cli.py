@@ -103,11 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     p.add_argument("name", nargs="?")
 
-    p = sub.add_parser("db", help="database schema: upgrade, check-migrations")
+    p = sub.add_parser("db", help="database schema: upgrade, current, check, check-migrations")
     dsub = p.add_subparsers(dest="db_cmd", metavar="ACTION")
     dsub.required = True
-    q = dsub.add_parser("upgrade", help="migrate the database to the newest schema")
-    q.add_argument("--db-url", default=db_default)
+    for name, hlp in (("upgrade", "migrate the database to the newest schema"),
+                      ("current", "print the database's schema revision and the one this build needs"),
+                      ("check", "fail unless the database is at the schema this build needs")):
+        q = dsub.add_parser(name, help=hlp)
+        q.add_argument("--db-url", default=db_default)
     dsub.add_parser("check-migrations", help="fail when the models and migrations/ disagree")
 
     p = sub.add_parser("policy", help="show the policy table, pin or unpin a bucket's k")
@@ -246,18 +249,9 @@ def _sidecar(args: argparse.Namespace) -> int:
           f"operator endpoint {server.url}; consuming {transport.stream} (group sidecar)", flush=True)
     if args.ready_file is not None:
         args.ready_file.write_text(json.dumps({"url": server.url, "pid": os.getpid()}))
-    deadline = time.monotonic() + args.duration if args.duration else None
-    shown = len(sidecar.history)
     try:
-        while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
-            try:
-                sidecar.step()
-            except Exception as e:  # the loop outlives surprises; health() shows the error
-                sidecar._error(e)
-                stop.wait(0.5)
-            for pv in sidecar.history[shown:]:
-                print(f"published v{pv.table.version}: {pv.table.reason}", flush=True)
-            shown = len(sidecar.history)
+        sidecar.run(stop, duration_s=args.duration or None,
+                    on_publish=lambda pv: print(f"published v{pv.table.version}: {pv.table.reason}", flush=True))
     finally:
         server.close()
         transport.close()
@@ -269,13 +263,19 @@ def _sidecar(args: argparse.Namespace) -> int:
 
 
 def _db(args: argparse.Namespace) -> int:
-    from telemetry.store import check_migrations, current_revision, upgrade
+    from telemetry import migrate
 
     if args.db_cmd == "upgrade":
-        upgrade(args.db_url)
-        print(f"database at revision {current_revision(args.db_url)}")
+        migrate.upgrade(args.db_url)
+        print(f"database at revision {migrate.current_revision(args.db_url)}")
+    elif args.db_cmd == "current":
+        print(f"database at revision {migrate.current_revision(args.db_url) or '(empty)'}; "
+              f"this build needs {migrate.head_revision()}")
+    elif args.db_cmd == "check":
+        migrate.check(args.db_url)  # SchemaOutOfDateError (exit 2) names the upgrade command
+        print(f"database at the head revision {migrate.head_revision()}")
     else:
-        check_migrations()
+        migrate.check_migrations()
         print("models and migrations agree")
     return 0
 

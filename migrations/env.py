@@ -1,6 +1,6 @@
 """Alembic environment for the spectune store.
 
-Configured programmatically by :func:`telemetry.store.alembic_config`: the caller passes an open connection in
+Configured programmatically by :func:`telemetry.migrate.alembic_config`: the caller passes an open connection in
 ``config.attributes["connection"]`` (so URLs with ``%`` or passwords never pass through configparser), or a URL
 as ``sqlalchemy.url``. The version table is ``spectune_alembic_version`` so optuna can share the database.
 """

@@ -21,6 +21,10 @@ class StoreError(SpectuneError):
     """The SQL store failed in a way the caller should see (bad URL, unreachable database)."""
 
 
+class StoreRejectedError(StoreError):
+    """The database refused the data itself (a constraint, a value out of range): retrying it will not help."""
+
+
 class SchemaOutOfDateError(StoreError):
     """The database schema is not at the head revision of ``migrations/``; the message names the upgrade command."""
 

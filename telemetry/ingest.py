@@ -17,9 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
-
-from telemetry.errors import StoreError, TransportError
+from telemetry.errors import StoreError, StoreRejectedError, TransportError
 from telemetry.records import MAX_NAME_LEN, RecordError, WindowBatch
 from telemetry.store import Store
 from telemetry.transport import Entry, Transport, decode_payload
@@ -143,21 +141,21 @@ class Consumer:
         refused = 0
         try:
             fresh = self._store.ingest_new([b for _, b in valid])
-        except (IntegrityError, DataError):
+        except StoreRejectedError:
             # One poisonous batch must not block the others: store them one by one, dead-letter the refused.
             fresh, done = [], []
             for eid, b in valid:
                 try:
                     fresh.extend(self._store.ingest_new([b]))
                     done.append((eid, b))
-                except (IntegrityError, DataError):
+                except StoreRejectedError:
                     refused += 1  # dead-lettered (and acknowledged) with its reason; not a duplicate
                     self._reject(eid, payloads[eid], STORE_REJECTED)
-                except (SQLAlchemyError, StoreError) as e:  # the rest stays pending and is claimed again
+                except StoreError as e:  # the rest stays pending and is claimed again
                     self._store_failure(e)
                     break
             valid = done
-        except (SQLAlchemyError, StoreError) as e:
+        except StoreError as e:
             self._store_failure(e)
             return []
         else:

@@ -40,7 +40,6 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
-from sqlalchemy.exc import SQLAlchemyError
 
 from controller.service.sidecar import Sidecar
 from telemetry.errors import SpectuneError
@@ -140,7 +139,7 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:  # reading the body from a client that went away
             self.close_connection = True
             sc.metrics.on_http_client_gone()
-        except (SpectuneError, SQLAlchemyError, RedisError) as e:
+        except (SpectuneError, RedisError) as e:
             self._json(503, {"error": f"the sidecar's store or transport failed: {e}", "reason": "unavailable"})
         except Exception as e:  # an endpoint bug answers 500, never kills the server thread silently
             sc._error(e)

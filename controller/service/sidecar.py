@@ -31,12 +31,9 @@ import logging
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
-
-from sqlalchemy import func, select
-from sqlalchemy.exc import SQLAlchemyError
 
 from controller.service.metrics import SidecarMetrics
 from controller.service.publish import Publisher
@@ -54,7 +51,6 @@ from telemetry.records import (
     WindowBatch,
     check_table_size,
 )
-from telemetry.schema import AcceptanceWindowRow, CostWindowRow
 from telemetry.store import Pin, Store
 from telemetry.transport import Transport
 
@@ -186,12 +182,8 @@ class Sidecar:
 
     def _replay(self, n: int) -> None:
         try:
-            with self.store.session() as s:
-                top_a = s.scalar(select(func.max(AcceptanceWindowRow.id))) or 0
-                top_c = s.scalar(select(func.max(CostWindowRow.id))) or 0
-            acc = self.store.acceptance_windows(since_id=max(0, top_a - n))
-            cost = self.store.cost_windows(since_id=max(0, top_c - n))
-        except (SQLAlchemyError, StoreError) as e:
+            acc, cost = self.store.recent_windows(n)
+        except StoreError as e:
             self._error(e)
             return
         windows: list[tuple[float, AcceptanceWindow | CostWindow]] = [(w.window_end, w.window) for w in acc]
@@ -217,15 +209,40 @@ class Sidecar:
             self.publish_if_changed("learned")
         return len(batches)
 
-    def run(self, stop: threading.Event | None = None) -> None:
-        """Step until ``stop`` (or :meth:`stop`) is set. Never raises: errors are counted and kept."""
+    def run(self, stop: threading.Event | None = None, *, duration_s: float | None = None,
+            on_publish: Callable[[PublishedVersion], None] | None = None) -> None:
+        """Step until ``stop`` (or :meth:`stop`) is set. Never raises: errors are counted and kept.
+
+        Args:
+            stop: ends the loop when set (default: the event :meth:`stop` sets).
+            duration_s: also end after this many seconds (None: run until stopped).
+            on_publish: called on the loop's thread with each version this sidecar published, oldest first
+                (``spectune sidecar`` prints them).
+        """
         stop = stop or self._stop
-        while not stop.is_set():
+        deadline = None if duration_s is None else time.monotonic() + duration_s
+        shown = self._version
+        while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
             try:
                 self.step()
             except Exception as e:  # the loop must outlive any surprise; the error is visible in health()
                 self._error(e)
                 stop.wait(ERROR_BACKOFF_S)
+            if on_publish is not None and self._version != shown:
+                for pv in self._published_after(shown):
+                    on_publish(pv)
+                shown = self._version
+
+    def _published_after(self, version: int) -> list[PublishedVersion]:
+        """The versions in :attr:`history` newer than ``version``, oldest first (by version, not by position:
+        the history is trimmed to its newest ``HISTORY_KEEP``)."""
+        with self._lock:
+            newer = []
+            for pv in reversed(self.history):
+                if pv.table.version <= version:
+                    break
+                newer.append(pv)
+        return newer[::-1]
 
     def start(self) -> threading.Thread:
         """Run the loop on a daemon thread (the embedded mode)."""
@@ -330,7 +347,7 @@ class Sidecar:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
             try:
                 pins = self.store.active_pins()
-            except (SQLAlchemyError, StoreError) as e:
+            except StoreError as e:
                 self._error(e)
                 return None
             learned = {key: d.k for key, d in decisions.items()}
@@ -364,15 +381,12 @@ class Sidecar:
             try:
                 self.store.save_policy_version(table)
                 break
-            except StoreError as e:
+            except StoreError as e:  # a peer may have taken the version; else the store failed (kept, retried)
                 latest = _safe_latest(self.store)
                 if latest is None or latest.version <= self._version:
                     self._error(e)
                     return None
                 self._version = latest.version
-            except SQLAlchemyError as e:
-                self._error(e)
-                return None
         else:
             return None
         assert table is not None
@@ -418,7 +432,7 @@ class Sidecar:
         else is reported and overwritten with the store's newest table. Raises TransportError."""
         try:
             latest = self.store.latest_policy_version()
-        except (SQLAlchemyError, StoreError) as e:  # cannot tell a peer from a forger now; retry next tick
+        except StoreError as e:  # cannot tell a peer from a forger now; retry next tick
             self._error(e)
             return
         self._publisher_ok = True
@@ -497,7 +511,7 @@ def _most_common(ks: Iterable[int], fallback: int) -> int:
 def _safe_latest(store: Store) -> PolicyTable | None:
     try:
         return store.latest_policy_version()
-    except (SQLAlchemyError, SpectuneError):
+    except StoreError:
         return None
 
 

@@ -74,3 +74,16 @@ def test_sidecar_process_never_imports_torch(redis_url: str, redis_prefix: str, 
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "TORCH False 0" in out.stdout, out.stdout + out.stderr
+
+
+def test_db_current_and_check_name_the_revision_and_the_fix(capsys: pytest.CaptureFixture[str],
+                                                           sqlite_url: str) -> None:
+    assert main(["db", "current", "--db-url", sqlite_url]) == 0
+    assert "(empty)" in capsys.readouterr().out
+    assert main(["db", "check", "--db-url", sqlite_url]) == 2
+    assert "spectune db upgrade" in capsys.readouterr().err
+    assert main(["db", "upgrade", "--db-url", sqlite_url]) == 0
+    assert main(["db", "check", "--db-url", sqlite_url]) == 0
+    assert main(["db", "current", "--db-url", sqlite_url]) == 0
+    out = capsys.readouterr().out
+    assert out.count("0002_policy_version_bigint") >= 2

@@ -250,3 +250,27 @@ def test_buckets_without_traffic_are_not_explored(sqlite_url: str) -> None:
         v2 = [e for v, e in pol.calls[calls_quiet:] if v == "target-v2"]
         assert v1 and not any(v1)  # quiet cells are decided without exploration ...
         assert any(v2)  # ... while the cells with traffic explore
+
+
+def test_run_reports_every_published_version_and_stops_after_its_duration(sqlite_url: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    import controller.service.sidecar as sidecar_mod
+
+    monkeypatch.setattr(sidecar_mod, "HISTORY_KEEP", 2)  # versions are reported by number, not history position
+    t = InProcessTransport()
+    with Store(sqlite_url, auto_upgrade=True) as store:
+        sc = make(t, store, publish_every_windows=8)
+        feed(t, 400)
+        seen: list[int] = []
+        t0 = time.monotonic()
+        loop = threading.Thread(target=sc.run, kwargs={"duration_s": 2.0,
+                                                       "on_publish": lambda pv: seen.append(pv.table.version)})
+        loop.start()
+        time.sleep(0.3)  # versions published before run() started are not its to report
+        for k in range(5):  # pins publish from another thread, as the operator endpoint does
+            store.pin("*|*|code|*|*", k, "test")
+            sc.publish_now("pin")
+        loop.join(10)
+        assert not loop.is_alive() and time.monotonic() - t0 < 10
+        assert len(seen) >= 4 and seen == list(range(seen[0], sc.version + 1))

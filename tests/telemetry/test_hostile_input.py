@@ -7,6 +7,7 @@ import json
 import pytest
 
 from telemetry.aggregate import aggregate
+from telemetry.migrate import upgrade
 from telemetry.records import (
     MAX_TABLE_BYTES,
     MAX_TABLE_ENTRIES,
@@ -21,7 +22,7 @@ from telemetry.records import (
     window_batch_from_dict,
     window_batch_to_dict,
 )
-from telemetry.store import Store, upgrade
+from telemetry.store import Store
 from telemetry.synthetic import synthetic_rounds
 from telemetry.urls import redact_url
 

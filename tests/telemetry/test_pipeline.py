@@ -13,8 +13,9 @@ from telemetry.aggregate import aggregate
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.errors import TransportError
 from telemetry.ingest import Consumer, ConsumerConfig
+from telemetry.migrate import upgrade
 from telemetry.records import MAX_ENCODED_BYTES, WindowBatch, window_batch_to_dict
-from telemetry.store import Store, upgrade
+from telemetry.store import Store
 from telemetry.synthetic import synthetic_rounds
 from telemetry.transport import (
     GROUP,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from telemetry.migrate import current_revision, downgrade, upgrade
 from telemetry.records import MAX_POLICY_VERSION, PolicyTable
-from telemetry.store import Store, current_revision, downgrade, upgrade
+from telemetry.store import Store
 
 
 @pytest.mark.parametrize("version", [2**31, 2**40, MAX_POLICY_VERSION])

@@ -6,18 +6,11 @@ import pytest
 from sqlalchemy import create_engine, inspect
 
 from telemetry.aggregate import aggregate
-from telemetry.errors import SchemaOutOfDateError, StoreError
+from telemetry.errors import SchemaOutOfDateError, StoreError, StoreRejectedError
+from telemetry.migrate import check, check_migrations, current_revision, downgrade, head_revision, upgrade
 from telemetry.records import PolicyTable, RecordError, WindowBatch
 from telemetry.schema import VERSION_TABLE, Base
-from telemetry.store import (
-    Store,
-    check,
-    check_migrations,
-    current_revision,
-    downgrade,
-    head_revision,
-    upgrade,
-)
+from telemetry.store import Store
 from telemetry.synthetic import SyntheticConfig, synthetic_rounds
 
 
@@ -145,3 +138,36 @@ def test_bulk_load_columns_match_the_tables() -> None:
                         (SampledRoundRow, SAMPLED_COLUMNS)):
         assert len(set(cols)) == len(cols)
         assert set(cols) == {c.name for c in model.__table__.columns} - {"id"}
+
+
+def test_recent_windows_are_the_newest_n_of_each_kind(sqlite_url: str) -> None:
+    upgrade(sqlite_url)
+    with Store(sqlite_url) as s:
+        s.ingest(_batches(4))
+        acc, cost = s.acceptance_windows(), s.cost_windows()
+        new_acc, new_cost = s.recent_windows(5)
+        assert [w.id for w in new_acc] == [w.id for w in acc[-5:]]
+        assert [w.id for w in new_cost] == [w.id for w in cost[-5:]]
+        everything = s.recent_windows(10_000)
+        assert len(everything[0]) == len(acc) and len(everything[1]) == len(cost)
+
+
+def test_database_failures_are_store_errors_not_sqlalchemy_errors(db_url: str) -> None:
+    # Callers catch only the project's errors: a table gone under a running store, and data the database refuses.
+    upgrade(db_url)
+    with Store(db_url) as s:
+        s.ingest(_batches(1))
+        eng = create_engine(db_url)
+        try:
+            with eng.begin() as conn:
+                conn.exec_driver_sql("DROP TABLE cost_windows")
+        finally:
+            eng.dispose()
+        with pytest.raises(StoreError, match="reading cost windows failed") as e:
+            s.cost_windows()
+        assert not isinstance(e.value, StoreRejectedError)
+        t = PolicyTable(version=1, default_k=1, created_at=1.0)
+        s.save_policy_version(t)
+        with pytest.raises(StoreRejectedError, match="already exists"):
+            s.save_policy_version(t)
+        assert s.acceptance_windows()  # the store still answers after both failures
