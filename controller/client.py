@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import redis
 from redis.exceptions import RedisError
 
-from telemetry.emitter import Emitter
+from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.records import (
     DEFAULT_BUCKETS,
     MAX_DRAFT_LEN,
@@ -40,7 +40,7 @@ from telemetry.records import (
     RoundRecord,
     policy_table_from_json,
 )
-from telemetry.transport import DEFAULT_PREFIX
+from telemetry.transport import DEFAULT_PREFIX, RedisConfig, RedisStreamsTransport, Transport
 
 MIN_REFRESH_S = 0.05  # below this the timer refresh would hammer Redis for nothing
 RECONNECT_MAX_S = 5.0  # cap of the wait between attempts to reach an absent Redis
@@ -336,27 +336,61 @@ class PolicyClient:
 class EngineHooks:
     """The two calls an engine makes: ``decide`` before a round, ``record`` after it.
 
+    Build them with :func:`build_engine_hooks`.
+
     Args:
         client: the policy client (decisions).
         emitter: the telemetry emitter (round records -> windows); None to decide without reporting.
+        transport: the emitter's transport when the hooks own it (closed after the emitter's last flush); None
+            when it belongs to someone else (an embedded sidecar reading the same in-process queue).
     """
 
-    def __init__(self, client: PolicyClient, emitter: Emitter | None) -> None:
+    def __init__(self, client: PolicyClient, emitter: Emitter | None, transport: Transport | None = None) -> None:
         self.client = client
         self.emitter = emitter
         self.decide = client.decide  # bound once: the engine's hot path calls it per row per round
+        self._transport = transport
         self._versions = client.status().versions
+
+    def set_versions(self, target_version: str, draft_version: str) -> None:
+        """The engine swapped a model: decide under the new versions from its next round on."""
+        self._versions = (target_version, draft_version)
+        self.client.set_versions(target_version, draft_version)
 
     def record(self, round_: RoundRecord) -> None:
         """Ship a round; a round under new model versions switches the lookups to them."""
         if (round_.target_version, round_.draft_version) != self._versions:
-            self._versions = (round_.target_version, round_.draft_version)
-            self.client.set_versions(*self._versions)
+            self.set_versions(round_.target_version, round_.draft_version)
         if self.emitter is not None:
             self.emitter.record(round_)
 
     def close(self) -> None:
-        """Flush telemetry, then stop following the policy."""
+        """Flush telemetry, release an owned transport, then stop following the policy."""
         if self.emitter is not None:
             self.emitter.close()
+        if self._transport is not None:
+            self._transport.close()
         self.client.close()
+
+
+def build_engine_hooks(client_config: ClientConfig, emitter_config: EmitterConfig,
+                       transport: Transport | None = None) -> EngineHooks:
+    """What an engine embeds, wired in one place: the policy client, the telemetry emitter and its transport.
+
+    Args:
+        client_config: the policy client; with ``redis_url`` None, tables arrive through ``hooks.client.apply``.
+        emitter_config: the emitter (engine id, window length).
+        transport: where windows go. None: Redis Streams at ``client_config.redis_url`` under the same prefix,
+            owned and closed by the hooks. Given: shared with its owner (the embedded sidecar's in-process queue)
+            and left open.
+
+    Raises:
+        ValueError: neither a transport nor ``client_config.redis_url`` to build one from.
+        TransportError: Redis cannot be reached.
+    """
+    owned: Transport | None = None
+    if transport is None:
+        if client_config.redis_url is None:
+            raise ValueError("build_engine_hooks needs a transport or ClientConfig.redis_url")
+        transport = owned = RedisStreamsTransport(client_config.redis_url, RedisConfig(prefix=client_config.prefix))
+    return EngineHooks(PolicyClient(client_config), Emitter(transport, emitter_config), owned)

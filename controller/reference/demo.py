@@ -26,13 +26,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from controller.client import ClientConfig, EngineHooks, PolicyClient
+from controller.client import ClientConfig, EngineHooks, build_engine_hooks
 from controller.reference.demo_log import RoundLog, RowLog, RunLog
+from controller.reference.engine_proc import model_update
 from controller.reference.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled, warm_up
 from controller.service.publish import CallbackPublisher, Publisher, RedisPublisher
 from controller.service.sidecar import Sidecar, SidecarConfig
 from engine.profiles import DEFAULT_PROFILE, PROFILE_HELP, PROFILE_NAMES, get_profile
-from telemetry.emitter import Emitter, EmitterConfig
+from telemetry.emitter import EmitterConfig
 from telemetry.ingest import ConsumerConfig
 from telemetry.records import DEFAULT_BUCKETS, RoundRecord
 from telemetry.store import Store
@@ -113,24 +114,16 @@ class _Engine:
 
 
 def _play(name: str, eng: _Engine, phases: Sequence[Phase], decide: Callable[[str, int, int], int] | None,
-          hooks: EngineHooks | None, progress: Callable[[RunLog, int, float], None]) -> RunLog:
+          hooks: EngineHooks, progress: Callable[[RunLog, int, float], None]) -> RunLog:
     """One pass of the workload. k comes from ``decide`` when given (baselines), else from ``hooks`` (the learned
     run); rounds go to ``hooks`` either way (a baseline's sidecar then learns in shadow: same telemetry and
     sidecar work on the machine, decisions not applied)."""
     engine = eng.fresh()
     log = RunLog(name, started_at=time.time())
     phase_index = {id(p): i for i, p in enumerate(phases)}
-    m = eng.models
-
-    def update() -> None:
-        if m.target_v2 is not None:
-            engine.swap_target(m.target_v2, m.target_v2_version)
-            if hooks is not None:
-                hooks.client.set_versions(m.target_v2_version, m.draft_version)
 
     def on_round(r: RoundRecord, phase: Phase, t: float) -> None:
-        if hooks is not None:
-            hooks.record(r)
+        hooks.record(r)
         pi = phase_index[id(phase)]
         log.rounds.append(RoundLog(t, pi, r.target_version, r.batch_size, r.max_context, r.max_k, r.emitted,
                                    r.wall_s))
@@ -138,9 +131,8 @@ def _play(name: str, eng: _Engine, phases: Sequence[Phase], decide: Callable[[st
             log.rows.append(RowLog(t, pi, r.target_version, row.request_type, row.k, row.accepted, row.emitted))
         progress(log, pi, t)
 
-    fn = decide if decide is not None else hooks.decide if hooks is not None else None
-    assert fn is not None
-    log.wall_s = drive(engine, fn, phases, RequestStream(eng.pool, eng.cfg.seed), on_round, update)
+    log.wall_s = drive(engine, decide or hooks.decide, phases, RequestStream(eng.pool, eng.cfg.seed), on_round,
+                       model_update(engine, eng.models, hooks))
     return log
 
 
@@ -166,25 +158,24 @@ def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: P
         url = f"sqlite:///{(run_dir / f'shadow{tag}.sqlite').resolve()}"
     store = Store(url, auto_upgrade=True)
     transport: Transport
-    engine_transport: Transport
     publisher: Publisher
-    client = PolicyClient(ClientConfig(m.target_version, m.draft_version, default_k=cfg.static_k, k_max=cfg.k_max,
-                                       redis_url=cfg.redis_url, prefix=prefix, refresh_s=1.0))
-    if cfg.redis_url is not None:
+    client_cfg = ClientConfig(m.target_version, m.draft_version, default_k=cfg.static_k, k_max=cfg.k_max,
+                              redis_url=cfg.redis_url, prefix=prefix)
+    emitter_cfg = EmitterConfig(engine_id=f"demo-engine{tag}", interval_s=cfg.window_s)
+    if cfg.redis_url is not None:  # the engine's hooks get their own connection, as a separate engine would
         transport = RedisStreamsTransport(cfg.redis_url, RedisConfig(prefix=prefix))
-        engine_transport = RedisStreamsTransport(cfg.redis_url, RedisConfig(prefix=prefix))
+        hooks = build_engine_hooks(client_cfg, emitter_cfg)
         publisher = RedisPublisher(cfg.redis_url, prefix)
-    else:
-        transport = engine_transport = InProcessTransport()
-        publisher = CallbackPublisher(client.apply)
+    else:  # one in-process queue: the hooks write it, the sidecar reads it, tables come back by callback
+        transport = InProcessTransport()
+        hooks = build_engine_hooks(client_cfg, emitter_cfg, transport)
+        publisher = CallbackPublisher(hooks.client.apply)
     sidecar = Sidecar(
         SidecarConfig(publish_every_windows=6, publish_every_s=0.5, warm_start_windows=0,
                       consumer=ConsumerConfig(consumer="demo", block_ms=50)),
         transport, store, REGISTRY["goodput"](k_max=cfg.k_max, seed=cfg.seed), publisher)
     on_sidecar(sidecar)
     sidecar.start()
-    emitter = Emitter(engine_transport, EmitterConfig(engine_id=f"demo-engine{tag}", interval_s=cfg.window_s))
-    hooks = EngineHooks(client, emitter)
     try:
         log = _play(name, eng, phases, decide, hooks, progress)
     finally:

@@ -19,14 +19,18 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from controller.client import ClientConfig, EngineHooks, PolicyClient
+from controller.client import ClientConfig, EngineHooks, build_engine_hooks
 from controller.reference.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled, warm_up
 from engine.profiles import DEFAULT_PROFILE, get_profile
-from telemetry.emitter import Emitter, EmitterConfig
+from telemetry.emitter import EmitterConfig
 from telemetry.records import MAX_NAME_LEN, RoundRecord
-from telemetry.transport import DEFAULT_PREFIX, RedisConfig, RedisStreamsTransport
+from telemetry.transport import DEFAULT_PREFIX
+
+if TYPE_CHECKING:
+    from engine.loader import Models
+    from engine.loop import SpecEngine
 
 PROGRESS_EVERY_S = 10.0  # seconds between progress lines
 
@@ -133,19 +137,12 @@ def run_engine(cfg: EngineProcConfig, stop: threading.Event | None = None,
     engine = SpecEngine(models.target, models.draft, EngineConfig(max_batch=cfg.max_batch, k_max=cfg.k_max,
                                                                   seed=cfg.seed),
                         models.target_version, models.draft_version)
-    client = PolicyClient(ClientConfig(
-        target_version=models.target_version, draft_version=models.draft_version, default_k=cfg.default_k,
-        k_max=cfg.k_max, redis_url=cfg.redis_url, prefix=cfg.prefix, refresh_s=cfg.refresh_s))
-    transport = RedisStreamsTransport(cfg.redis_url, RedisConfig(prefix=cfg.prefix))
-    emitter = Emitter(transport, EmitterConfig(engine_id=cfg.engine_id, interval_s=cfg.window_s))
-    hooks = EngineHooks(client, emitter)
+    hooks = build_engine_hooks(
+        ClientConfig(target_version=models.target_version, draft_version=models.draft_version,
+                     default_k=cfg.default_k, k_max=cfg.k_max, redis_url=cfg.redis_url, prefix=cfg.prefix,
+                     refresh_s=cfg.refresh_s),
+        EmitterConfig(engine_id=cfg.engine_id, interval_s=cfg.window_s))
     status = _Status(cfg.status_path, hooks, cfg.status_every_s, {"engine_id": cfg.engine_id, **cfg.extra})
-
-    def update() -> None:
-        if models.target_v2 is not None:
-            engine.swap_target(models.target_v2, models.target_v2_version)
-            client.set_versions(models.target_v2_version, models.draft_version)
-
     next_say = [PROGRESS_EVERY_S]
     said = [0, 0.0]  # tokens and time at the last progress line
 
@@ -161,17 +158,29 @@ def run_engine(cfg: EngineProcConfig, stop: threading.Event | None = None,
     pool = PromptPool(cfg.seed, cfg.prompt_cache)
     warm_up(engine, pool, cfg.default_k)
     try:
-        wall = drive(engine, hooks.decide, phases_for(cfg), RequestStream(pool, cfg.seed), on_round, update,
-                     stop.is_set)
+        wall = drive(engine, hooks.decide, phases_for(cfg), RequestStream(pool, cfg.seed), on_round,
+                     model_update(engine, models, hooks), stop.is_set)
     finally:
         hooks.close()
-        transport.close()
-    es = emitter.stats()
+    assert hooks.emitter is not None
+    es = hooks.emitter.stats()
     final = {"final": True, "wall_s": wall, "rounds_recorded": es.rounds_recorded, "windows_sent": es.windows_sent,
              "windows_built": es.windows_built, "windows_dropped": es.windows_dropped,
-             "emitter_last_error": es.last_error, "client": asdict(client.status())}
+             "emitter_last_error": es.last_error, "client": asdict(hooks.client.status())}
     status.write(**final)
     return {**final, "rounds": status.rounds, "tokens": status.tokens}
+
+
+def model_update(engine: SpecEngine, models: Models, hooks: EngineHooks) -> Callable[[], None]:
+    """The workload's model update (``drive``'s ``on_update``): swap in the updated target, and decide under its
+    version from the next round on. Nothing happens when the updated target was not loaded."""
+
+    def update() -> None:
+        if models.target_v2 is not None:
+            engine.swap_target(models.target_v2, models.target_v2_version)
+            hooks.set_versions(models.target_v2_version, models.draft_version)
+
+    return update
 
 
 def install_stop_signals(stop: threading.Event) -> None:
