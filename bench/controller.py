@@ -47,7 +47,7 @@ from telemetry.ingest import ConsumerConfig
 from telemetry.records import DEFAULT_BUCKETS, REQUEST_TYPES, Bucket, PolicyTable
 from telemetry.store import Store
 from telemetry.synthetic import synthetic_rounds
-from telemetry.transport import RedisConfig, RedisStreamsTransport
+from telemetry.transport import RedisConfig, RedisKeys, RedisStreamsTransport
 
 DECIDE_TARGET_P99_US = 10.0  # issue 5
 PROPAGATION_TARGET_P99_MS = 100.0  # issue 5
@@ -156,7 +156,7 @@ def bench_propagation(cfg: BenchConfig, redis_url: str, db_url: str) -> dict[str
     finally:
         client.close()
         r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(f"{prefix}:*"))
+        keys = list(r.scan_iter(RedisKeys(prefix).pattern))
         if keys:
             r.delete(*keys)
         r.close()
@@ -201,7 +201,7 @@ def bench_sidecar_cpu(cfg: BenchConfig, redis_url: str, db_url: str, seed: int) 
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     finally:
         r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(f"{prefix}:*"))
+        keys = list(r.scan_iter(RedisKeys(prefix).pattern))
         if keys:
             r.delete(*keys)
         r.close()

@@ -69,6 +69,7 @@ from bench.simulator import (
 from engine.profiles import DEFAULT_PROFILE, PROFILE_NAMES
 from policies import REGISTRY, BatchTablePolicy, Policy, StaticPolicy
 from policies.base import Decision
+from telemetry.policy_table import RowLookup
 from telemetry.records import DEFAULT_BUCKETS, REQUEST_TYPES, Bucket
 
 K_MAX = 8
@@ -265,22 +266,16 @@ class _WindowDecisions:
     """The engine's ``policy_fn`` for one window: one ``policy.decide`` per bucket, cached (the table model)."""
 
     def __init__(self, policy: Policy, target_version: str, draft_version: str) -> None:
-        self.policy, self.tv, self.dv = policy, target_version, draft_version
+        self.policy = policy
         self.used: dict[str, int] = {}  # bucket key -> k decided this window
-        self._by_row: dict[tuple[str, int, int], int] = {}  # (type, batch, context length) -> k
+        self._lookup = RowLookup(self._decide, target_version, draft_version)  # the engines' row -> k lookup
+
+    def _decide(self, b: Bucket) -> int:
+        k = self.used[b.key()] = self.policy.decide(b).k
+        return k
 
     def __call__(self, rtype: str, batch_size: int, context_len: int) -> int:
-        rk = (rtype, batch_size, context_len)
-        k = self._by_row.get(rk)
-        if k is None:
-            b = Bucket(self.tv, self.dv, rtype, DEFAULT_BUCKETS.batch_bucket(batch_size),
-                       DEFAULT_BUCKETS.context_bucket(context_len))
-            bk = b.key()
-            k = self.used.get(bk)
-            if k is None:
-                k = self.used[bk] = self.policy.decide(b).k
-            self._by_row[rk] = k
-        return k
+        return self._lookup(rtype, batch_size, context_len)
 
 
 class _EngineRun:

@@ -46,8 +46,9 @@ from telemetry.migrate import upgrade
 from telemetry.records import WindowBatch
 from telemetry.store import Store
 from telemetry.synthetic import SyntheticConfig, synthetic_rounds
-from telemetry.transport import RedisConfig, RedisStreamsTransport, encode_batch
+from telemetry.transport import RedisConfig, RedisStreamsTransport
 from telemetry.urls import redact_url
+from telemetry.wire import encode_batch
 
 EMITTER_TARGET_FRACTION = 0.01  # issue 3: the emitter costs at most 1% of a plain decode step
 INGEST_TARGET_RECORDS_PER_S = 50_000  # issue 3: round records/s into PostgreSQL by one process

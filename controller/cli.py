@@ -301,11 +301,12 @@ def _policy(args: argparse.Namespace) -> int:
     base = args.sidecar_url.rstrip("/")
     if args.policy_cmd == "show":
         if args.db_url:
+            from telemetry.policy_table import table_to_json
             from telemetry.store import Store
 
             with Store(args.db_url) as store:
                 t = store.latest_policy_version()
-            table = json.loads(t.to_json()) if t else None
+            table = json.loads(table_to_json(t)) if t else None
         elif args.redis_url:
             table = _redis_table(args.redis_url, args.prefix)
         else:
@@ -338,13 +339,14 @@ def _policy(args: argparse.Namespace) -> int:
 def _redis_table(url: str, prefix: str) -> Any:
     import redis
 
-    from controller.client import policy_key
+    from telemetry.transport import RedisKeys
 
+    key = RedisKeys(prefix).policy
     try:
-        raw = redis.Redis.from_url(url, socket_connect_timeout=2).get(policy_key(prefix))
+        raw = redis.Redis.from_url(url, socket_connect_timeout=2).get(key)
     except (redis.RedisError, ValueError) as e:
         raise CLIError(
-            f"cannot read {policy_key(prefix)} from Redis at {redact_url(url)} ({e}); is Redis running?"
+            f"cannot read {key} from Redis at {redact_url(url)} ({e}); is Redis running?"
         ) from e
     return json.loads(raw) if raw else None
 

@@ -17,44 +17,31 @@ This module must not import torch: third-party engines embed it as is.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import redis
 from redis.exceptions import RedisError
 
 from telemetry.emitter import Emitter, EmitterConfig
+from telemetry.policy_table import MAX_TABLE_BYTES, RowLookup, check_entry_count, lookup, policy_table_from_json
 from telemetry.records import (
     DEFAULT_BUCKETS,
     MAX_DRAFT_LEN,
-    MAX_NAME_LEN,
-    MAX_TABLE_BYTES,
-    MAX_TABLE_ENTRIES,
-    Bucket,
     BucketConfig,
     PolicyTable,
     RecordError,
     RoundRecord,
-    policy_table_from_json,
 )
-from telemetry.transport import DEFAULT_PREFIX, RedisConfig, RedisStreamsTransport, Transport
+from telemetry.transport import DEFAULT_PREFIX, RedisConfig, RedisKeys, RedisStreamsTransport, Transport
+from telemetry.wire import check_label
 
 MIN_REFRESH_S = 0.05  # below this the timer refresh would hammer Redis for nothing
 RECONNECT_MAX_S = 5.0  # cap of the wait between attempts to reach an absent Redis
 SOCKET_TIMEOUT_S = 2.0  # a stuck Redis must not hold the refresh thread for long
-
-
-def policy_key(prefix: str) -> str:
-    """Redis key holding the current table JSON (with its version)."""
-    return f"{prefix}:policy"
-
-
-def updates_channel(prefix: str) -> str:
-    """Redis pub/sub channel carrying each new version number."""
-    return f"{prefix}:policy-updates"
 
 
 @dataclass(frozen=True)
@@ -72,17 +59,17 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         for name in ("target_version", "draft_version"):
-            v = getattr(self, name)
-            if not isinstance(v, str) or not 0 < len(v) <= MAX_NAME_LEN or "|" in v:
-                raise ValueError(f"ClientConfig.{name} must be 1..{MAX_NAME_LEN} chars without '|', got {v!r}")
+            try:
+                check_label(getattr(self, name), f"ClientConfig.{name}")  # part of every bucket key
+            except RecordError as e:
+                raise ValueError(e.detail) from None
         if not 0 <= self.k_max <= MAX_DRAFT_LEN:
             raise ValueError(f"ClientConfig.k_max must be in [0, {MAX_DRAFT_LEN}], got {self.k_max}")
         if not 0 <= self.default_k <= self.k_max:
             raise ValueError(f"ClientConfig.default_k must be in [0, k_max={self.k_max}], got {self.default_k}")
         if self.refresh_s < MIN_REFRESH_S:
             raise ValueError(f"ClientConfig.refresh_s must be >= {MIN_REFRESH_S}, got {self.refresh_s}")
-        if not self.prefix or any(c.isspace() for c in self.prefix):
-            raise ValueError(f"ClientConfig.prefix must be a non-empty word, got {self.prefix!r}")
+        RedisKeys(self.prefix)  # raises ValueError for a prefix that is no word
 
 
 @dataclass(frozen=True)
@@ -108,9 +95,7 @@ def validate_table(table: PolicyTable, k_max: int, current: int | None) -> None:
         RecordError: ``table_too_large`` past ``MAX_TABLE_ENTRIES``; ``k_above_engine_max`` when it asks for
             more than ``k_max``; ``stale_version`` when its version is older than ``current``.
     """
-    if len(table.entries) > MAX_TABLE_ENTRIES:  # the JSON path checks bytes too, before parsing
-        raise RecordError("table_too_large",
-                          f"table v{table.version} has {len(table.entries)} entries > cap {MAX_TABLE_ENTRIES}")
+    check_entry_count(table)  # the JSON path checks bytes too, before parsing
     worst = max([table.default_k, *table.entries.values()])
     if worst > k_max:
         raise RecordError("k_above_engine_max", f"table v{table.version} asks for k={worst} > engine k_max={k_max}")
@@ -128,13 +113,10 @@ class PolicyClient:
 
     def __init__(self, config: ClientConfig, start: bool = True) -> None:
         self._cfg = config
-        self._batch_edges = config.buckets.batch_edges
-        self._context_edges = config.buckets.context_edges
-        self._context_labels = config.buckets.context_labels()
-        self._versions = (config.target_version, config.draft_version)
+        self._keys = RedisKeys(config.prefix)
         self._table: PolicyTable | None = None
-        # (request type, batch-bucket index, context-bucket index) -> k; replaced whole on a new table
-        self._cache: dict[tuple[str, int, int], int] = {}
+        # The one row -> k lookup, replaced whole on a new table or new versions (its cache belongs to them).
+        self._lookup = self._new_lookup(None, config.target_version, config.draft_version)
         self._lock = threading.Lock()  # serialises table swaps (lookups never take it)
         self._applied = 0
         self._rejected: dict[str, int] = {}
@@ -163,32 +145,18 @@ class PolicyClient:
     # ------------------------------------------------------------------------------------------ hot path
     def decide(self, request_type: str, batch_size: int, context_len: int) -> int:
         """k for a row (0 = speculation off): a dictionary lookup, computed once per bucket and table."""
-        bi = bisect.bisect_left(self._batch_edges, batch_size)
-        ci = bisect.bisect_left(self._context_edges, context_len)
-        cache = self._cache  # one read: a concurrent swap replaces the dict, never mutates the one we hold
-        k = cache.get((request_type, bi, ci))
-        if k is None:
-            k = self._resolve(cache, request_type, bi, ci)
-        return k
+        return self._lookup(request_type, batch_size, context_len)  # one read: a swap replaces the whole lookup
 
-    def _resolve(self, cache: dict[tuple[str, int, int], int], request_type: str, bi: int, ci: int) -> int:
-        table = self._table
-        if table is None:
-            k = self._cfg.default_k
-        else:
-            edges = self._batch_edges
-            bucket = Bucket(self._versions[0], self._versions[1], request_type, edges[min(bi, len(edges) - 1)],
-                            self._context_labels[ci])
-            k = table.lookup(bucket)
-        cache[(request_type, bi, ci)] = k
-        return k
+    def _new_lookup(self, table: PolicyTable | None, target_version: str, draft_version: str) -> RowLookup:
+        default_k = self._cfg.default_k
+        resolve = partial(lookup, table) if table is not None else lambda _bucket: default_k  # fail-static
+        return RowLookup(resolve, target_version, draft_version, self._cfg.buckets)
 
     # ---------------------------------------------------------------------------------------- updates
     def set_versions(self, target_version: str, draft_version: str) -> None:
         """The engine swapped a model: look buckets up under the new versions from now on."""
         with self._lock:
-            self._versions = (target_version, draft_version)
-            self._cache = {}
+            self._lookup = self._new_lookup(self._table, target_version, draft_version)
 
     def apply(self, table: PolicyTable) -> bool:
         """Install ``table`` if it is valid and not older than the one in force.
@@ -205,7 +173,7 @@ class PolicyClient:
             if self._table is not None and table.version == self._table.version:
                 return True
             self._table = table
-            self._cache = {}
+            self._lookup = self._new_lookup(table, *self._lookup.versions)
             self._applied += 1
             self._last_update = time.time()
             return True
@@ -242,7 +210,7 @@ class PolicyClient:
         """Read ``{prefix}:policy`` once and apply it. Returns False when Redis could not be read."""
         if self._redis is None:
             return False
-        key = policy_key(self._cfg.prefix)
+        key = self._keys.policy
         try:
             size = int(self._redis.strlen(key))  # type: ignore[arg-type]
             if size > MAX_TABLE_BYTES:  # refused unread: fetching it is the cost the cap exists to avoid
@@ -271,7 +239,7 @@ class PolicyClient:
         while not self._stop.is_set():
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
-                pubsub.subscribe(updates_channel(self._cfg.prefix))
+                pubsub.subscribe(self._keys.policy_updates)
                 self.refresh()  # after subscribing: a version published meanwhile is either read now or nudged
                 wait = MIN_REFRESH_S
                 next_timer = time.monotonic() + self._cfg.refresh_s
@@ -329,7 +297,7 @@ class PolicyClient:
         return ClientStatus(
             fail_static=t is None, mode=mode, version=t.version if t else None, connected=self._connected,
             tables_applied=self._applied, rejected=dict(self._rejected), last_error=self._last_error,
-            last_update_at=self._last_update, detail=detail, versions=self._versions,
+            last_update_at=self._last_update, detail=detail, versions=self._lookup.versions,
         )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, ClassVar
 
@@ -25,9 +25,8 @@ from telemetry.records import (
     CostWindow,
     PolicyTable,
     RecordError,
-    acceptance_from_dict,
-    cost_from_dict,
 )
+from telemetry.wire import check_window
 
 SNAPSHOT_VERSION = 4  # bump when a snapshot's shape changes; restore() rejects other versions
 Window = AcceptanceWindow | CostWindow
@@ -122,11 +121,11 @@ class Policy(ABC):
     def observe(self, window: Window) -> None:
         """Validate a window and learn from it. Garbage raises :class:`RecordError` naming what is wrong."""
         if isinstance(window, AcceptanceWindow):
-            acceptance_from_dict(asdict(window))  # same checks as the wire decoder
+            check_window(window)  # the wire's rules
             if window.k > MAX_DRAFT_LEN:
                 raise RecordError("out_of_range", f"k={window.k} > MAX_DRAFT_LEN")
         elif isinstance(window, CostWindow):
-            cost_from_dict(asdict(window))
+            check_window(window)
             if window.rounds <= 0 or window.batch_rows <= 0:
                 raise RecordError("empty_window", "cost window with no rounds; drop it before observe()")
         else:

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 
 from telemetry.records import (
     DEFAULT_BUCKETS,
-    MAX_DRAFT_LEN,
-    MAX_NAME_LEN,
     AcceptanceWindow,
     BucketConfig,
     CostWindow,
@@ -28,6 +26,7 @@ from telemetry.records import (
     RoundRecord,
     Stat,
 )
+from telemetry.wire import check_round
 
 LATENCY_PERCENTILES = (50.0, 95.0, 99.0)  # what operators read off latency dashboards
 
@@ -76,51 +75,6 @@ class Aggregate:
     rejected: dict[str, int]
 
 
-def check_round(r: RoundRecord, _known_names: set[str] | None = None) -> None:
-    """Cheap structural validation of a round the engine handed over (same rules as the wire validator).
-
-    Args:
-        r: the round.
-        _known_names: names already checked (a cache owned by the caller; versions and request types repeat).
-
-    Raises:
-        RecordError: with a countable ``reason``.
-    """
-    known = _known_names if _known_names is not None else set()
-    for name in (r.target_version, r.draft_version):
-        _check_name(name, known)
-    if not 0 <= r.max_k <= MAX_DRAFT_LEN:
-        raise RecordError("out_of_range", f"max_k={r.max_k} outside [0, {MAX_DRAFT_LEN}]")
-    if r.batch_size < 1 or r.round_index < 0:
-        raise RecordError("out_of_range", f"batch_size={r.batch_size}, round_index={r.round_index}")
-    for t in (r.draft_s, r.verify_s, r.other_s, r.prefill_s):
-        if not math.isfinite(t):
-            raise RecordError("non_finite", "a round time is not finite")
-        if t < 0:
-            raise RecordError("negative_time", f"a round time is negative ({t})")
-    if not r.batch_size <= r.tokens_verified <= r.batch_size * (r.max_k + 1):  # packed: 1..max_k + 1 per row
-        raise RecordError("bad_tokens_verified", f"tokens_verified={r.tokens_verified} outside "
-                          f"[batch_size, batch_size * (max_k + 1)] = [{r.batch_size}, {r.batch_size * (r.max_k + 1)}]")
-    for row in r.rows:
-        _check_name(row.request_type, known)
-        if not 0 <= row.k <= r.max_k:
-            raise RecordError("out_of_range", f"row k={row.k} outside [0, max_k={r.max_k}]")
-        if not 0 <= row.accepted <= row.k:
-            raise RecordError("accepted_gt_drafted", f"row accepted={row.accepted} with k={row.k}")
-        if not 0 <= row.emitted <= row.accepted + 1:
-            raise RecordError("out_of_range", f"row emitted={row.emitted} with accepted={row.accepted}")
-        if row.context_len < 0:
-            raise RecordError("out_of_range", f"row context_len={row.context_len}")
-
-
-def _check_name(name: object, known: set[str]) -> None:
-    if name in known:
-        return
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN or "|" in name:
-        raise RecordError("bad_name", f"{name!r} is not a 1..{MAX_NAME_LEN} char label without '|'")
-    known.add(name)
-
-
 def percentiles(values: Sequence[float], qs: Sequence[float] = LATENCY_PERCENTILES) -> list[float]:
     """Linear-interpolated percentiles, as ``numpy.percentile``'s default; zeros for an empty sample.
 
@@ -156,7 +110,6 @@ def aggregate(rounds: Iterable[RoundRecord], buckets: BucketConfig = DEFAULT_BUC
     acc: dict[AcceptanceKey, _AcceptanceAcc] = {}
     cost: dict[CostKey, _CostAcc] = {}
     rejected: dict[str, int] = {}
-    known: set[str] = set()
     ctx_edges = buckets.context_edges
     ctx_labels = buckets.context_labels()  # label i for bisect index i: the smallest edge >= context_len
     # (target, draft, request type, context bucket index, k, accepted, emitted) -> rows
@@ -165,7 +118,7 @@ def aggregate(rounds: Iterable[RoundRecord], buckets: BucketConfig = DEFAULT_BUC
     n = 0
     for r in rounds:
         try:
-            check_round(r, known)
+            check_round(r)  # the wire's rules for a round: what the sidecar would refuse is left out here
         except RecordError as err:
             rejected[err.reason] = rejected.get(err.reason, 0) + 1
             continue

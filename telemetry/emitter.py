@@ -26,13 +26,13 @@ from telemetry.aggregate import aggregate
 from telemetry.errors import TransportError
 from telemetry.records import (
     DEFAULT_BUCKETS,
-    MAX_NAME_LEN,
     BucketConfig,
     RecordError,
     RoundRecord,
     WindowBatch,
 )
-from telemetry.transport import Encoding, Transport, encode_batch
+from telemetry.transport import Transport
+from telemetry.wire import ENCODINGS, Encoding, check_label, check_round, encode_batch
 
 MIN_INTERVAL_S = 0.001  # below this the flush thread would spin
 CLOSE_JOIN_S = 5.0  # how long close() waits for the flush thread's last send
@@ -54,10 +54,10 @@ class EmitterConfig:
     encoding: Encoding = "json"  # "json" or "msgpack"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.engine_id, str) or not 0 < len(self.engine_id) <= MAX_NAME_LEN:
-            raise ValueError(f"EmitterConfig.engine_id must be 1..{MAX_NAME_LEN} chars, got {self.engine_id!r}")
-        if "|" in self.engine_id:
-            raise ValueError("EmitterConfig.engine_id must not contain '|'")
+        try:
+            check_label(self.engine_id, "EmitterConfig.engine_id")  # it travels: the wire's label rule
+        except RecordError as e:
+            raise ValueError(e.detail) from None
         if self.interval_s < MIN_INTERVAL_S:
             raise ValueError(f"EmitterConfig.interval_s must be >= {MIN_INTERVAL_S}, got {self.interval_s}")
         for name in ("max_rounds_per_window", "max_pending_rounds", "max_buffered_windows"):
@@ -67,8 +67,8 @@ class EmitterConfig:
             raise ValueError("EmitterConfig.max_sampled_per_window must be >= 0")
         if not 0.0 <= self.sample_rate <= 1.0:
             raise ValueError(f"EmitterConfig.sample_rate must be in [0, 1], got {self.sample_rate}")
-        if self.encoding not in ("json", "msgpack"):
-            raise ValueError(f"EmitterConfig.encoding must be 'json' or 'msgpack', got {self.encoding!r}")
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"EmitterConfig.encoding must be one of {ENCODINGS}, got {self.encoding!r}")
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class Emitter:
         sampled: tuple[RoundRecord, ...] = ()
         if self._cfg.sample_rate > 0:
             rate, rng = self._cfg.sample_rate, self._rng
-            chosen = [r for r in rounds if rng.random() < rate]
+            chosen = [r for r in rounds if rng.random() < rate and _valid(r)]  # one bad round must not sink a batch
             sampled = tuple(chosen[: self._cfg.max_sampled_per_window])
         self._seq = max(self._seq + 1, time.time_ns() // 1000)
         batch = WindowBatch(
@@ -248,3 +248,11 @@ class Emitter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _valid(r: RoundRecord) -> bool:
+    try:
+        check_round(r)
+    except RecordError:
+        return False
+    return True

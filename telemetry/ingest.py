@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from telemetry.errors import StoreError, StoreRejectedError, TransportError
 from telemetry.records import MAX_NAME_LEN, RecordError, WindowBatch
 from telemetry.store import Store
-from telemetry.transport import Entry, Transport, decode_payload
+from telemetry.transport import Entry, Transport
+from telemetry.wire import decode_batch
 
 STORE_REJECTED = "store_rejected"  # dead-letter reason: valid on the wire, but the database refused it
 MAX_INFLIGHT_TRACKED = 100_000  # own unacknowledged ids remembered (a few reads' worth; oldest forgotten first)
@@ -130,7 +131,7 @@ class Consumer:
         valid: list[tuple[str, WindowBatch]] = []
         for eid, payload in entries:
             try:
-                valid.append((eid, decode_payload(payload)))
+                valid.append((eid, decode_batch(payload)))
             except RecordError as e:
                 self._reject(eid, payload, e.reason)
         if not valid:

@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from telemetry.db import create_db_engine
 from telemetry.errors import StoreError, StoreRejectedError
 from telemetry.migrate import check, upgrade
+from telemetry.policy_table import policy_table_from_json
 from telemetry.records import (
     MAX_DRAFT_LEN,
     MAX_NAME_LEN,
@@ -40,8 +41,6 @@ from telemetry.records import (
     RecordError,
     Stat,
     WindowBatch,
-    parse_bucket_key,
-    policy_table_from_json,
 )
 from telemetry.schema import (
     REASON_LEN,
@@ -57,6 +56,7 @@ from telemetry.schema import (
     SampledRoundRow,
 )
 from telemetry.urls import redact_url
+from telemetry.wire import parse_bucket_key
 
 DEFAULT_DB_URL = "sqlite:///spectune.sqlite"
 ROWS_PER_STATEMENT = 1000  # multi-VALUES chunk: well under SQLite's 32766 bound variables at <= 30 columns

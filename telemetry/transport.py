@@ -4,9 +4,9 @@ Both transports have the same small interface (:class:`Transport`): the engine s
 the sidecar side reads them through a consumer group, acknowledges them only after the store committed, claims
 entries a dead consumer left pending, and moves invalid entries to a dead-letter stream with a reason.
 
-Payloads are JSON (:func:`telemetry.records.encode_window_batch`) or msgpack of the same dict shape; never pickle.
-:func:`decode_payload` tells them apart by the first byte (a JSON object starts with ``{``, a msgpack map never
-does).
+Payloads are opaque bytes here; :mod:`telemetry.wire` encodes and decodes them. Every Redis name spectune uses is
+built by :class:`RedisKeys`, and every redis-py error is translated here into
+:class:`~telemetry.errors.TransportError`: callers never see the library.
 """
 
 from __future__ import annotations
@@ -18,31 +18,56 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-import msgpack
 import redis
 from redis.exceptions import RedisError, ResponseError
 
 from telemetry.errors import TransportError
-from telemetry.records import (
-    RecordError,
-    WindowBatch,
-    check_size,
-    decode_window_batch,
-    encode_window_batch,
-    window_batch_from_dict,
-    window_batch_to_dict,
-)
 from telemetry.urls import redact_url
 
 DEFAULT_PREFIX = "spectune"
 GROUP = "sidecar"  # the sidecars' consumer group on the windows stream
 PAYLOAD_FIELD = "v"  # stream entries carry one field: the encoded batch
 DEADLETTER_KEEP_BYTES = 64 << 10  # dead letters keep this much of a payload; enough to see what was wrong
-Encoding = Literal["json", "msgpack"]
 
 Entry = tuple[str, bytes]  # (entry id, payload)
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    """Every Redis name spectune uses, built from one prefix (engines and sidecars must share it)."""
+
+    prefix: str = DEFAULT_PREFIX  # lets several deployments share one Redis
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not self.prefix or any(c.isspace() for c in self.prefix):
+            raise ValueError(f"the Redis prefix must be a non-empty word, got {self.prefix!r}")
+
+    @property
+    def windows(self) -> str:
+        """Stream of encoded window batches, read by the ``sidecar`` consumer group."""
+        return f"{self.prefix}:windows"
+
+    @property
+    def deadletter(self) -> str:
+        """Stream of entries the sidecar rejected, each with its reason."""
+        return f"{self.prefix}:deadletter"
+
+    @property
+    def policy(self) -> str:
+        """The current policy table's JSON, one value written atomically with its version."""
+        return f"{self.prefix}:policy"
+
+    @property
+    def policy_updates(self) -> str:
+        """Pub/sub channel carrying each new table version (a nudge; the table itself is at :attr:`policy`)."""
+        return f"{self.prefix}:policy-updates"
+
+    @property
+    def pattern(self) -> str:
+        """A SCAN pattern matching every name of this prefix (housekeeping in tests and benchmarks)."""
+        return f"{self.prefix}:*"
 
 
 @dataclass(frozen=True)
@@ -54,42 +79,6 @@ class DeadLetter:
     payload: bytes
     size: int  # the payload's original size in bytes
     at: float  # wall-clock seconds when it was rejected
-
-
-# ------------------------------------------------------------------------------------------------ codec
-def encode_batch(batch: WindowBatch, encoding: Encoding = "json") -> bytes:
-    """Encode a batch for the wire.
-
-    Args:
-        batch: the batch.
-        encoding: ``"json"`` (default, readable in ``redis-cli``) or ``"msgpack"`` (smaller, faster).
-
-    Raises:
-        RecordError: ``too_large`` when the encoding exceeds ``MAX_ENCODED_BYTES``.
-    """
-    if encoding == "json":
-        return encode_window_batch(batch)
-    try:
-        data: bytes = msgpack.packb(window_batch_to_dict(batch), use_bin_type=True)
-    except (OverflowError, TypeError, ValueError) as e:  # e.g. an int beyond 64 bits
-        raise RecordError("unencodable", f"msgpack cannot encode the batch: {e}") from e
-    check_size(data)
-    return data
-
-
-def decode_payload(data: bytes) -> WindowBatch:
-    """Decode and validate a JSON or msgpack payload. Any byte string yields a batch or raises RecordError."""
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise RecordError("bad_type", f"payload must be bytes, got {type(data).__name__}")
-    raw = bytes(data)
-    if raw[:1] == b"{" or raw.lstrip()[:1] == b"{":
-        return decode_window_batch(raw)
-    check_size(raw)
-    try:
-        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True)
-    except Exception as e:  # msgpack raises a zoo of types (ExtraData, FormatError, StackError, ValueError, ...)
-        raise RecordError("undecodable", f"neither JSON nor msgpack: {type(e).__name__}") from e
-    return window_batch_from_dict(obj)
 
 
 # -------------------------------------------------------------------------------------------- interface
@@ -119,6 +108,10 @@ class Transport(ABC):
     @abstractmethod
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         """The oldest ``count`` dead letters, for operators and tests."""
+
+    @abstractmethod
+    def recent_dead_letters(self, count: int = 100) -> list[DeadLetter]:
+        """The newest ``count`` dead letters, newest first (what an operator looks at)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release connections."""
@@ -196,6 +189,10 @@ class InProcessTransport(Transport):
         with self._cond:
             return self._dead[:count]
 
+    def recent_dead_letters(self, count: int = 100) -> list[DeadLetter]:
+        with self._cond:
+            return self._dead[::-1][:count]
+
     @property
     def pending(self) -> int:
         """Entries delivered and not yet acknowledged."""
@@ -214,7 +211,7 @@ class RedisConfig:
     """How to talk to Redis. The URL carries host, port, database, AUTH (``redis://user:pass@host``) and TLS
     (``rediss://``)."""
 
-    prefix: str = DEFAULT_PREFIX  # key prefix: streams are {prefix}:windows and {prefix}:deadletter
+    prefix: str = DEFAULT_PREFIX  # the names' prefix (see RedisKeys); engines and sidecars must share it
     maxlen: int = 1_000_000  # approximate MAXLEN of the windows stream: ~minutes of a large fleet's windows
     deadletter_maxlen: int = 100_000  # dead letters are for inspection, not for ever
     socket_timeout_s: float = 2.0  # a stuck Redis must not hold an engine's flush thread for long
@@ -223,8 +220,7 @@ class RedisConfig:
     backoff_max_s: float = 5.0  # cap of the exponential backoff
 
     def __post_init__(self) -> None:
-        if not self.prefix or any(c.isspace() for c in self.prefix):
-            raise ValueError(f"RedisConfig.prefix must be a non-empty word, got {self.prefix!r}")
+        RedisKeys(self.prefix)  # raises ValueError for a prefix that is no word
         if self.maxlen < 1 or self.deadletter_maxlen < 1:
             raise ValueError("RedisConfig.maxlen and deadletter_maxlen must be >= 1")
         if self.connect_timeout_s <= 0 or self.socket_timeout_s <= 0:
@@ -253,8 +249,9 @@ class RedisStreamsTransport(Transport):
             )
         except (ValueError, RedisError) as e:
             raise TransportError(f"bad Redis URL {self._url_shown}: {e}") from e
-        self.stream = f"{self.config.prefix}:windows"
-        self.deadletter_stream = f"{self.config.prefix}:deadletter"
+        keys = RedisKeys(self.config.prefix)
+        self.stream = keys.windows
+        self.deadletter_stream = keys.deadletter
         self._lock = threading.Lock()
         self._backoff = 0.0
         self._retry_at = 0.0
@@ -380,16 +377,11 @@ class RedisStreamsTransport(Transport):
 
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         resp = self._call("XRANGE", lambda: self._r.xrange(self.deadletter_stream, count=count))
-        out = []
-        for _eid, f in resp:
-            out.append(DeadLetter(
-                source_id=f.get(b"source_id", b"").decode(errors="replace"),
-                reason=f.get(b"reason", b"").decode(errors="replace"),
-                payload=f.get(PAYLOAD_FIELD.encode(), b""),
-                size=int(f.get(b"size", b"0")),
-                at=float(f.get(b"at", b"0")),
-            ))
-        return out
+        return [_read_dead_letter(fields) for _eid, fields in resp or []]
+
+    def recent_dead_letters(self, count: int = 100) -> list[DeadLetter]:
+        resp = self._call("XREVRANGE", lambda: self._r.xrevrange(self.deadletter_stream, count=count))
+        return [_read_dead_letter(fields) for _eid, fields in resp or []]
 
     def ping(self) -> bool:
         """True when Redis answers (no backoff gate: an operator's explicit check)."""
@@ -405,6 +397,25 @@ class RedisStreamsTransport(Transport):
 
     def close(self) -> None:
         self._r.close()
+
+
+def _read_dead_letter(f: dict[bytes, bytes]) -> DeadLetter:
+    """A dead-letter stream entry as written by :meth:`RedisStreamsTransport.deadletter`. Entries are written by
+    sidecars only, yet read defensively: a field written by hand reads as empty or zero, never raises."""
+
+    def number(name: bytes, kind: type[int] | type[float]) -> Any:
+        try:
+            return kind(f.get(name, b"0"))
+        except ValueError:
+            return kind(0)
+
+    return DeadLetter(
+        source_id=f.get(b"source_id", b"").decode(errors="replace"),
+        reason=f.get(b"reason", b"").decode(errors="replace"),
+        payload=f.get(PAYLOAD_FIELD.encode(), b""),
+        size=number(b"size", int),
+        at=number(b"at", float),
+    )
 
 
 def _entries(raw: Any) -> list[Entry]:

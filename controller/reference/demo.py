@@ -23,6 +23,7 @@ import argparse
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ from controller.service.sidecar import Sidecar, SidecarConfig
 from engine.profiles import DEFAULT_PROFILE, PROFILE_HELP, PROFILE_NAMES, get_profile
 from telemetry.emitter import EmitterConfig
 from telemetry.ingest import ConsumerConfig
-from telemetry.records import DEFAULT_BUCKETS, RoundRecord
+from telemetry.policy_table import RowLookup, lookup
+from telemetry.records import DEFAULT_BUCKETS, WILDCARD, Bucket, PolicyTable, RoundRecord
 from telemetry.store import Store
 from telemetry.transport import InProcessTransport, RedisConfig, RedisStreamsTransport, Transport
 
@@ -248,12 +250,18 @@ def run_demo(cfg: DemoConfig) -> Path:
 def _play_best(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: Path,
                table: dict[tuple[str, int, str], int], progress: Callable[[RunLog, int, float], None]) -> RunLog:
     """A fixed table per (version, batch bucket, context bucket): the hindsight baseline (static k elsewhere)."""
-    fallback = cfg.static_k
+    draft = eng.models.draft_version
     engine_versions = {"v": eng.models.target_version}
+    # Any request type (the cells do not split by it), the static k where no cell was measured.
+    hindsight = PolicyTable(version=1, default_k=cfg.static_k, entries={
+        Bucket(t, draft, WILDCARD, bb, cb).key(): k for (t, bb, cb), k in table.items()})
+    lookups: dict[str, RowLookup] = {}  # target version -> the engines' row -> k lookup
 
-    def decide(_rtype: str, batch: int, ctx: int) -> int:
-        cell = (engine_versions["v"], DEFAULT_BUCKETS.batch_bucket(batch), DEFAULT_BUCKETS.context_bucket(ctx))
-        return table.get(cell, fallback)
+    def decide(rtype: str, batch: int, ctx: int) -> int:
+        v = engine_versions["v"]
+        if v not in lookups:
+            lookups[v] = RowLookup(partial(lookup, hindsight), v, draft)
+        return lookups[v](rtype, batch, ctx)
 
     def track(log: RunLog, pi: int, t: float) -> None:
         if log.rounds:

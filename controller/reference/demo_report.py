@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from telemetry.records import REQUEST_TYPES, Bucket
+from telemetry.records import REQUEST_TYPES
+from telemetry.wire import parse_bucket
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -72,7 +73,7 @@ def speculation_events(log: RunLog, phases: Sequence[Phase]) -> list[str]:
             state[key] = k
             if old is None or (old == 0) == (k == 0):
                 continue
-            b = Bucket.from_key(key)
+            b = parse_bucket(key)
             grouped.setdefault((b.target_version, b.batch_bucket, b.context_bucket, old, k), []).append(b.request_type)
         for (tv, bb, cb, old, k), types in grouped.items():
             what = "OFF" if k == 0 else f"ON (k={k})"
@@ -91,7 +92,7 @@ def k_table(sidecar: Sidecar) -> tuple[list[str], list[list[str]]]:
     for key, k in cur.entries.items():
         if "*" in key:
             continue
-        b = Bucket.from_key(key)
+        b = parse_bucket(key)
         cells.setdefault((b.target_version, b.request_type, b.context_bucket), {})[b.batch_bucket] = k
         batches.add(b.batch_bucket)
     cols = sorted(batches)

@@ -43,8 +43,8 @@ from redis.exceptions import RedisError
 
 from controller.service.sidecar import Sidecar
 from telemetry.errors import SpectuneError
-from telemetry.records import RecordError, parse_bucket_key
-from telemetry.transport import DeadLetter, RedisStreamsTransport
+from telemetry.records import RecordError
+from telemetry.wire import parse_bucket_key
 
 MAX_BODY_BYTES = 16 << 10  # a pin request is a few hundred bytes
 MAX_LIMIT = 1000  # history / dead-letter pages
@@ -77,22 +77,6 @@ class BadRequest(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
-
-
-def recent_dead_letters(sidecar: Sidecar, limit: int) -> list[DeadLetter]:
-    """Newest dead letters first (Redis: XREVRANGE; in-process: the tail of the list)."""
-    t = sidecar.transport
-    if isinstance(t, RedisStreamsTransport):
-        out = []
-        raw: Any = t.client.xrevrange(t.deadletter_stream, count=limit)
-        for _eid, f in raw or []:
-            out.append(DeadLetter(
-                source_id=f.get(b"source_id", b"").decode(errors="replace"),
-                reason=f.get(b"reason", b"").decode(errors="replace"),
-                payload=f.get(b"v", b""), size=int(f.get(b"size", b"0")), at=float(f.get(b"at", b"0")),
-            ))
-        return out
-    return list(reversed(t.dead_letters(100_000)))[:limit]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -190,7 +174,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(200, [
                 {"source_id": d.source_id, "reason": d.reason, "size": d.size, "at": d.at,
                  "payload_preview": d.payload[:PAYLOAD_PREVIEW].decode(errors="replace")}
-                for d in recent_dead_letters(sc, limit)
+                for d in sc.transport.recent_dead_letters(limit)
             ])
         known = ("/health", "/policy", "/policy/history", "/pins", "/metrics", "/deadletter")
         return self._json(404, {"error": f"no route {method} {path}; try one of {', '.join(known)}",

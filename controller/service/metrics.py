@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from telemetry.records import AcceptanceWindow, Bucket
+from telemetry.records import AcceptanceWindow
+from telemetry.wire import parse_bucket
 
 ACCEPTANCE_LABELS = ("target_version", "draft_version", "request_type", "context_bucket")
 BUCKET_LABELS = ("target_version", "draft_version", "request_type", "batch_bucket", "context_bucket")
@@ -135,7 +136,7 @@ class SidecarMetrics:
         for key, k in entries.items():
             if "*" in key.split("|"):
                 continue
-            b = Bucket.from_key(key)
+            b = parse_bucket(key)
             self.chosen_k.labels(b.target_version, b.draft_version, b.request_type, str(b.batch_bucket),
                                  b.context_bucket).set(k)
 

@@ -16,10 +16,10 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
-from controller.client import policy_key, updates_channel
 from telemetry.errors import TransportError
-from telemetry.records import PolicyTable, RecordError, policy_table_from_json
-from telemetry.transport import DEFAULT_PREFIX
+from telemetry.policy_table import policy_table_from_json, table_to_json
+from telemetry.records import PolicyTable, RecordError
+from telemetry.transport import DEFAULT_PREFIX, RedisKeys
 from telemetry.urls import redact_url
 
 # KEYS[1] = table key, KEYS[2] = channel; ARGV[1] = table JSON, ARGV[2] = its version.
@@ -118,7 +118,8 @@ class RedisPublisher(Publisher):
                                            socket_connect_timeout=SOCKET_TIMEOUT_S / 2)
         except ValueError as e:
             raise TransportError(f"bad Redis URL {self._shown}: {e}") from e
-        self.key, self.channel = policy_key(prefix), updates_channel(prefix)
+        keys = RedisKeys(prefix)
+        self.key, self.channel = keys.policy, keys.policy_updates
         self._script = self._r.register_script(_CAS_SCRIPT)
         self._version_script = self._r.register_script(_VERSION_SCRIPT)
 
@@ -126,11 +127,11 @@ class RedisPublisher(Publisher):
         try:
             if force:
                 pipe = self._r.pipeline(transaction=True)  # MULTI: the value and the nudge together
-                pipe.set(self.key, table.to_json())
+                pipe.set(self.key, table_to_json(table))
                 pipe.publish(self.channel, table.version)
                 pipe.execute()
                 return True
-            return bool(self._script(keys=[self.key, self.channel], args=[table.to_json(), table.version]))
+            return bool(self._script(keys=[self.key, self.channel], args=[table_to_json(table), table.version]))
         except (RedisError, OSError) as e:
             raise TransportError(
                 f"publishing policy v{table.version} to Redis at {self._shown} failed: {e}; "

@@ -40,6 +40,7 @@ from controller.service.publish import Publisher
 from policies.base import Decision, Policy, cell_key
 from telemetry.errors import SpectuneError, StoreError, TransportError
 from telemetry.ingest import Consumer, ConsumerConfig
+from telemetry.policy_table import MAX_REASON_CHARS, check_table_size
 from telemetry.records import (
     MAX_DRAFT_LEN,
     WILDCARD,
@@ -49,12 +50,10 @@ from telemetry.records import (
     PolicyTable,
     RecordError,
     WindowBatch,
-    check_table_size,
 )
 from telemetry.store import Pin, Store
 from telemetry.transport import Transport
 
-REASON_MAX = 500  # PolicyTable.reason is cut here on the wire
 HISTORY_KEEP = 1000  # decisions kept in memory for the demo and the HTTP endpoint
 ERROR_BACKOFF_S = 0.5  # pause after an unexpected error, so a persistent fault is not a busy loop
 
@@ -371,7 +370,7 @@ class Sidecar:
         table: PolicyTable | None = None
         for _attempt in range(3):  # another sidecar may have taken the next version number meanwhile
             table = PolicyTable(version=self._version + 1, default_k=default_k, k_max=self.policy.k_max,
-                                entries=entries, created_at=time.time(), reason=reason[:REASON_MAX])
+                                entries=entries, created_at=time.time(), reason=reason[:MAX_REASON_CHARS])
             try:
                 check_table_size(table)  # engines would refuse it: keep the last table, say why
             except RecordError as e:

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from controller.client import ClientConfig, EngineHooks, PolicyClient, policy_key, updates_channel
+from controller.client import ClientConfig, EngineHooks, PolicyClient
 from controller.service.publish import RedisPublisher
+from telemetry.policy_table import table_to_json
 from telemetry.records import PolicyTable, RoundRecord, RowRecord
+from telemetry.transport import RedisKeys
 
 V1, V2, D = "target-v1", "target-v2", "draft-v1"
 REPO = Path(__file__).resolve().parents[2]
@@ -107,10 +109,10 @@ def test_follows_redis_and_rejects_tables_pushed_by_hand(redis_url: str, redis_p
         assert wait_for(lambda: c.version == 3, 1.0)  # the nudge, not the 5 s timer
         assert c.decide("code", 8, 10) == 6 and c.status().mode == "following"
         r = redis.Redis.from_url(redis_url)
-        too_big = json.dumps({**json.loads(table(9, {key: 0}).to_json()), "entries": {key: 42}}).encode()
-        for i, raw in enumerate((b"garbage", table(2, {key: 0}).to_json().encode(), too_big)):
-            r.set(policy_key(redis_prefix), raw)
-            r.publish(updates_channel(redis_prefix), "99")
+        too_big = json.dumps({**json.loads(table_to_json(table(9, {key: 0}))), "entries": {key: 42}}).encode()
+        for i, raw in enumerate((b"garbage", table_to_json(table(2, {key: 0})).encode(), too_big)):
+            r.set(RedisKeys(redis_prefix).policy, raw)
+            r.publish(RedisKeys(redis_prefix).policy_updates, "99")
             assert wait_for(lambda n=i + 1: sum(c.status().rejected.values()) >= n)
         assert c.version == 3 and c.decide("code", 8, 10) == 6
         assert set(c.status().rejected) == {"undecodable", "stale_version", "out_of_range"}

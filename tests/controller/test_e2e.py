@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import redis
 
+from telemetry.policy_table import table_to_json
 from telemetry.records import PolicyTable
 from telemetry.store import Store
 
@@ -128,7 +129,7 @@ def test_engine_follows_pins_survives_the_sidecar_and_nothing_is_lost(procs: Pro
 
     # 4. invalid tables pushed straight into Redis are rejected by the engine's client
     r = redis.Redis.from_url(procs.redis_url)
-    good = json.loads(PolicyTable(version=pinned + 100, default_k=1, k_max=8, entries={}).to_json())
+    good = json.loads(table_to_json(PolicyTable(version=pinned + 100, default_k=1, k_max=8, entries={})))
     for i, raw in enumerate((
         json.dumps({**good, "entries": {"*|*|*|*|*": 42}}),  # k out of bounds
         json.dumps({**good, "version": in_force - 1}),  # older than the table in force

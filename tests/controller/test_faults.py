@@ -24,10 +24,12 @@ from policies import REGISTRY
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.errors import StoreError
 from telemetry.ingest import STORE_REJECTED, Consumer, ConsumerConfig
-from telemetry.records import PolicyTable, encode_window_batch
+from telemetry.policy_table import table_to_json
+from telemetry.records import PolicyTable
 from telemetry.store import Store
 from telemetry.synthetic import synthetic_rounds
-from telemetry.transport import InProcessTransport, RedisConfig, RedisStreamsTransport, Transport
+from telemetry.transport import InProcessTransport, RedisConfig, RedisKeys, RedisStreamsTransport, Transport
+from telemetry.wire import encode_batch
 
 FAST = ConsumerConfig(consumer="c1", block_ms=10, claim_min_idle_ms=0, claim_interval_s=0.0, backoff_s=0.01)
 
@@ -125,10 +127,10 @@ def test_a_redis_restart_gets_the_table_back_and_health_recovers(own_redis: OwnR
 def test_a_forged_version_in_redis_is_reported_not_adopted(db: str, request: pytest.FixtureRequest, redis_url: str,
                                                             redis_prefix: str) -> None:
     url = str(request.getfixturevalue(db))
-    key = f"{redis_prefix}:policy"
+    key = RedisKeys(redis_prefix).policy
     r = redis.Redis.from_url(redis_url)
     forged = PolicyTable(version=2**31, default_k=7, k_max=8, entries={"*|*|*|*|*": 7}, reason="forged")
-    r.set(key, forged.to_json())
+    r.set(key, table_to_json(forged))
     t = InProcessTransport()
     with Store(url, auto_upgrade=True) as store:
         sc = make(t, store, RedisPublisher(redis_url, redis_prefix))
@@ -143,7 +145,7 @@ def test_a_forged_version_in_redis_is_reported_not_adopted(db: str, request: pyt
         assert ahead["version"] == 2**31 and ahead["store_version"] < 100
         assert "spectune_policy_version_ahead_total 1.0" in sc.metrics.exposition().decode()
         # a restart does not adopt it either, and a later forgery is reported again
-        r.set(key, replace(forged, version=2**40).to_json())
+        r.set(key, table_to_json(replace(forged, version=2**40)))
         sc2 = make(t, store, RedisPublisher(redis_url, redis_prefix))
         assert sc2.version == sc.version
         assert sc2.health()["policy_version_ahead"]["version"] == 2**40
@@ -159,7 +161,7 @@ def test_duplicates_do_not_count_rows_the_database_refused(pg_url: str) -> None:
         st = c.stats()
         assert (st.stored, st.duplicates, st.refused) == (3, 0, 1)
         assert st.rejected == {STORE_REJECTED: 1} and t.dead_letters()[0].source_id == refused
-        t.publish(encode_window_batch(_batch(1)))  # a true redelivery is still a duplicate
+        t.publish(encode_batch(_batch(1)))  # a true redelivery is still a duplicate
         c.step()
         assert (c.stats().duplicates, c.stats().refused) == (1, 1)
 
@@ -191,15 +193,15 @@ def _batch(seq: int, dropped_before: int = 0):  # type: ignore[no-untyped-def]
 
 
 def feed_one(t: InProcessTransport, seq: int, dropped_before: int = 0) -> str:
-    t.publish(encode_window_batch(_batch(seq, dropped_before)))
+    t.publish(encode_batch(_batch(seq, dropped_before)))
     return f"{seq}-0" if not t.dead_letters() else ""
 
 
 def test_the_sidecar_refuses_to_publish_a_table_over_the_cap(sqlite_url: str, redis_url: str, redis_prefix: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import telemetry.records
+    import telemetry.policy_table
 
-    monkeypatch.setattr(telemetry.records, "MAX_TABLE_ENTRIES", 5)  # the synthetic feed makes 60 buckets
+    monkeypatch.setattr(telemetry.policy_table, "MAX_TABLE_ENTRIES", 5)  # the synthetic feed makes 60 buckets
     t = InProcessTransport()
     with Store(sqlite_url, auto_upgrade=True) as store:
         sc = make(t, store, RedisPublisher(redis_url, redis_prefix))
@@ -208,7 +210,7 @@ def test_the_sidecar_refuses_to_publish_a_table_over_the_cap(sqlite_url: str, re
         assert sc.publish_now("too big") is None and sc.version == 0
         assert store.latest_policy_version() is None
         assert sc.rejected.get("table_too_large", 0) >= 1 and "table_too_large" in (sc.last_error or "")
-        assert redis.Redis.from_url(redis_url).get(f"{redis_prefix}:policy") is None
+        assert redis.Redis.from_url(redis_url).get(RedisKeys(redis_prefix).policy) is None
 
 
 def test_a_pin_says_when_it_reached_no_engine(sqlite_url: str) -> None:

@@ -11,16 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from telemetry.aggregate import aggregate
-from telemetry.records import (
-    MAX_ENCODED_BYTES,
-    RecordError,
-    WindowBatch,
-    decode_window_batch,
-    window_batch_from_dict,
-    window_batch_to_dict,
-)
+from telemetry.records import MAX_ENCODED_BYTES, RecordError, WindowBatch
 from telemetry.synthetic import synthetic_rounds
-from telemetry.transport import decode_payload, encode_batch
+from telemetry.wire import decode_batch, encode_batch, window_batch_from_dict, window_batch_to_dict
 
 
 def _batch() -> WindowBatch:
@@ -32,7 +25,7 @@ def _batch() -> WindowBatch:
 @pytest.mark.parametrize("encoding", ["json", "msgpack"])
 def test_round_trip(encoding: str) -> None:
     b = _batch()
-    assert decode_payload(encode_batch(b, encoding)) == b  # type: ignore[arg-type]
+    assert decode_batch(encode_batch(b, encoding)) == b  # type: ignore[arg-type]
 
 
 def test_msgpack_is_smaller_with_the_same_shape() -> None:
@@ -55,23 +48,23 @@ def test_msgpack_is_validated_like_json(mutate, reason: str) -> None:
     d = window_batch_to_dict(_batch())
     mutate(d)
     with pytest.raises(RecordError) as e:
-        decode_payload(msgpack.packb(d))
+        decode_batch(msgpack.packb(d))
     assert e.value.reason == reason
 
 
 def test_nan_is_rejected_in_both_encodings() -> None:
     d = window_batch_to_dict(_batch())
     d["cost"][0]["latency_p99"] = float("nan")
-    for payload in (json.dumps(d).encode(), msgpack.packb(d)):
+    for payload in (json.dumps(d).encode(), msgpack.packb(d)):  # Python's json writes NaN, though JSON has none
         with pytest.raises(RecordError) as e:
-            decode_payload(payload)
+            decode_batch(payload)
         assert e.value.reason == "non_finite"
 
 
 def test_oversized_payloads_are_rejected_unread() -> None:
     for payload in (b"{" + b" " * MAX_ENCODED_BYTES + b"}", b"\x80" * (MAX_ENCODED_BYTES + 1)):
         with pytest.raises(RecordError) as e:
-            decode_payload(payload)
+            decode_batch(payload)
         assert e.value.reason == "too_large"
 
 
@@ -80,16 +73,11 @@ _FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthC
 
 @_FUZZ
 @given(st.binary(max_size=2048))
-def test_no_byte_string_crashes_decode_window_batch(data: bytes) -> None:
+def test_no_byte_string_crashes_the_decoder(data: bytes) -> None:
     with contextlib.suppress(RecordError):
-        decode_window_batch(data)
-
-
-@_FUZZ
-@given(st.binary(max_size=2048))
-def test_no_byte_string_crashes_decode_payload(data: bytes) -> None:
+        decode_batch(data)
     with contextlib.suppress(RecordError):
-        decode_payload(data)
+        decode_batch(b"{" + data)  # the JSON path too
 
 
 _json = st.recursive(
@@ -105,7 +93,7 @@ def test_no_structure_crashes_the_validator(obj: object) -> None:
     # Structured fuzz reaches deeper than random bytes: valid JSON / msgpack of arbitrary shape.
     for payload in (json.dumps(obj).encode(), msgpack.packb(obj)):
         with contextlib.suppress(RecordError):
-            decode_payload(payload)
+            decode_batch(payload)
 
 
 @_FUZZ
@@ -114,19 +102,24 @@ def test_corrupting_one_field_of_a_valid_batch_never_crashes(section: str, key: 
     d = window_batch_to_dict(_batch())
     d[section][0][key] = value
     with contextlib.suppress(RecordError):
-        decode_payload(json.dumps(d).encode())
+        decode_batch(json.dumps(d).encode())
+    with contextlib.suppress(RecordError):
+        decode_batch(msgpack.packb(d))
 
 
 def test_numbers_beyond_a_float_are_rejected_not_crashing() -> None:
-    # A 5000-digit int trips Python's int-parsing limit (a ValueError inside json.loads); a 400-digit one parses
-    # but cannot become a float. Both must be a RecordError, as any other bad input.
+    # A 5000-digit int trips Python's int-parsing limit; a 400-digit one parses but cannot become a float; a
+    # 20-digit one fits no 64-bit column of the store. All must be a RecordError, as any other bad input.
     d = window_batch_to_dict(_batch())
     text = json.dumps(d, separators=(",", ":")).encode()
     with pytest.raises(RecordError) as e:
-        decode_payload(text.replace(b'"seq":7', b'"seq":' + b"1" * 5000))
+        decode_batch(text.replace(b'"seq":7', b'"seq":' + b"1" * 5000))
     assert e.value.reason == "undecodable"
     with pytest.raises(RecordError) as e:
-        decode_payload(text.replace(b'"window_start":1.0', b'"window_start":1' + b"0" * 400))
+        decode_batch(text.replace(b'"window_start":1.0', b'"window_start":1' + b"0" * 400))
+    assert e.value.reason == "out_of_range"
+    with pytest.raises(RecordError) as e:
+        decode_batch(text.replace(b'"seq":7', b'"seq":' + b"1" * 20))
     assert e.value.reason == "out_of_range"
 
 
@@ -143,7 +136,7 @@ def test_numbers_beyond_a_float_are_rejected_not_crashing() -> None:
         ("cost", "draft_s", {"count": 1, "total": float("inf"), "sumsq": 0.0, "max": 0.0}, "non_finite"),
     ],
 )
-def test_the_fast_path_falls_back_to_the_same_reasons(section: str, key: str, value: object, reason: str) -> None:
+def test_each_rule_names_its_reason(section: str, key: str, value: object, reason: str) -> None:
     d = window_batch_to_dict(_batch())
     d[section] = [dict(x) for x in d[section]]
     d[section][0][key] = value
@@ -153,7 +146,6 @@ def test_the_fast_path_falls_back_to_the_same_reasons(section: str, key: str, va
 
 
 def test_int_subclasses_are_still_accepted_and_converted() -> None:
-    # The inline guards test exact types; anything else goes through the helpers, which accept int subclasses.
     import enum
 
     class K(enum.IntEnum):

@@ -10,9 +10,9 @@ import pytest
 
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.errors import TransportError
-from telemetry.records import decode_window_batch
 from telemetry.synthetic import synthetic_rounds
-from telemetry.transport import InProcessTransport, RedisConfig, RedisStreamsTransport, decode_payload
+from telemetry.transport import InProcessTransport, RedisConfig, RedisStreamsTransport
+from telemetry.wire import decode_batch
 
 FAST_RECORD_S = 0.001  # record() must stay far below a decode step even when the transport is dead
 
@@ -31,7 +31,7 @@ class FlakyTransport(InProcessTransport):
 
 
 def _drain(t: InProcessTransport) -> list:
-    return [decode_payload(p) for _, p in t.read("c", 10_000, 0)]
+    return [decode_batch(p) for _, p in t.read("c", 10_000, 0)]
 
 
 def test_config_is_validated() -> None:
@@ -173,4 +173,4 @@ def test_payload_is_plain_json_by_default() -> None:
     em.record(next(synthetic_rounds(1)))
     em.flush()
     ((_, payload),) = t.read("c", 10, 0)
-    assert payload.startswith(b"{") and decode_window_batch(payload).engine_id == "e1"
+    assert payload.startswith(b"{") and decode_batch(payload).engine_id == "e1"

@@ -8,23 +8,18 @@ import pytest
 
 from telemetry.aggregate import aggregate
 from telemetry.migrate import upgrade
-from telemetry.records import (
+from telemetry.policy_table import (
     MAX_TABLE_BYTES,
     MAX_TABLE_ENTRIES,
-    POLICY_SCHEMA_VERSION,
-    Bucket,
-    PolicyTable,
-    RecordError,
-    WindowBatch,
     check_table_size,
-    parse_bucket_key,
     policy_table_from_json,
-    window_batch_from_dict,
-    window_batch_to_dict,
+    table_to_json,
 )
+from telemetry.records import POLICY_SCHEMA_VERSION, PolicyTable, RecordError, WindowBatch
 from telemetry.store import Store
 from telemetry.synthetic import synthetic_rounds
 from telemetry.urls import redact_url
+from telemetry.wire import parse_bucket, parse_bucket_key, window_batch_from_dict, window_batch_to_dict
 
 
 def _valid_batch(seq: int = 1) -> WindowBatch:
@@ -39,7 +34,7 @@ BAD_BATCH_PARTS = ["²", "٣", "８", " 4", "4 ", "+4", "-4", "04", "0", "4_0", 
 @pytest.mark.parametrize("part", BAD_BATCH_PARTS)
 def test_the_one_bucket_key_parser_wants_ascii_digits(part: str) -> None:
     key = f"t|d|code|{part}|<=512"
-    for parse in (lambda: parse_bucket_key(key), lambda: Bucket.from_key(key)):
+    for parse in (lambda: parse_bucket_key(key), lambda: parse_bucket(key)):
         with pytest.raises(RecordError) as e:
             parse()
         assert e.value.reason == "bad_bucket_key"
@@ -63,7 +58,7 @@ def test_wildcards_only_where_allowed() -> None:
     with pytest.raises(RecordError):
         parse_bucket_key("t|d|code|*|<=512", wildcard=False)
     with pytest.raises(RecordError):
-        Bucket.from_key("t|d|*|8|<=512")  # a Bucket is one exact bucket
+        parse_bucket("t|d|*|8|<=512")  # a Bucket is one exact bucket
 
 
 @pytest.mark.parametrize("part", ["²", "٣"])
@@ -83,7 +78,7 @@ def test_schema_version_must_be_the_int_itself(value: object) -> None:
     with pytest.raises(RecordError) as e:
         window_batch_from_dict(d)
     assert e.value.reason == "unknown_schema_version"
-    t = json.loads(PolicyTable(version=1, default_k=0).to_json())
+    t = json.loads(table_to_json(PolicyTable(version=1, default_k=0)))
     t["schema_version"] = value
     with pytest.raises(RecordError) as e:
         policy_table_from_json(json.dumps(t))
@@ -103,7 +98,7 @@ def test_negative_zero_is_not_a_time(field: str) -> None:
     d["cost"][0]["latency_p50"] = -0.0
     with pytest.raises(RecordError):
         window_batch_from_dict(d)
-    t = json.loads(PolicyTable(version=1, default_k=0).to_json())
+    t = json.loads(table_to_json(PolicyTable(version=1, default_k=0)))
     t["created_at"] = -0.0
     with pytest.raises(RecordError):
         policy_table_from_json(json.dumps(t))
@@ -114,19 +109,19 @@ def test_policy_tables_have_a_size_cap() -> None:
     many = {f"t|d|r{i}|8|*": 1 for i in range(MAX_TABLE_ENTRIES + 1)}
     too_many = PolicyTable(version=1, default_k=0, entries=many)
     with pytest.raises(RecordError) as e:
-        policy_table_from_json(too_many.to_json())
+        policy_table_from_json(table_to_json(too_many))
     assert e.value.reason == "table_too_large"
     with pytest.raises(RecordError) as e:
         check_table_size(too_many)
     assert e.value.reason == "table_too_large"
-    padded = json.loads(PolicyTable(version=1, default_k=0).to_json())
+    padded = json.loads(table_to_json(PolicyTable(version=1, default_k=0)))
     padded["reason"] = " " * MAX_TABLE_BYTES  # few entries, too many bytes: refused before parsing
     with pytest.raises(RecordError) as e:
         policy_table_from_json(json.dumps(padded))
     assert e.value.reason == "table_too_large"
     ok = PolicyTable(version=1, default_k=0, entries=dict(list(many.items())[:100]))
     check_table_size(ok)
-    assert policy_table_from_json(ok.to_json()) == ok
+    assert policy_table_from_json(table_to_json(ok)) == ok
 
 
 @pytest.mark.parametrize(

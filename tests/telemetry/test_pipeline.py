@@ -14,17 +14,11 @@ from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.errors import TransportError
 from telemetry.ingest import Consumer, ConsumerConfig
 from telemetry.migrate import upgrade
-from telemetry.records import MAX_ENCODED_BYTES, WindowBatch, window_batch_to_dict
+from telemetry.records import MAX_ENCODED_BYTES, WindowBatch
 from telemetry.store import Store
 from telemetry.synthetic import synthetic_rounds
-from telemetry.transport import (
-    GROUP,
-    InProcessTransport,
-    RedisConfig,
-    RedisStreamsTransport,
-    decode_payload,
-    encode_batch,
-)
+from telemetry.transport import GROUP, InProcessTransport, RedisConfig, RedisStreamsTransport
+from telemetry.wire import decode_batch, encode_batch, window_batch_to_dict
 
 
 def _drain(consumer: Consumer, want: int, timeout_s: float = 10.0) -> list[WindowBatch]:
@@ -87,7 +81,7 @@ def test_redelivery_after_a_consumer_dies_stores_each_window_once(
     with Store(sqlite_url) as store:
         # Consumer A reads and stores 4 windows, then dies before acknowledging them.
         entries = redis_transport.read("dead", 4, 100)
-        assert store.ingest([decode_payload(p) for _, p in entries]) == 4
+        assert store.ingest([decode_batch(p) for _, p in entries]) == 4
         pending = redis_transport.client.xpending(redis_transport.stream, GROUP)
         assert pending["pending"] == 4 and pending["consumers"][0]["name"] == b"dead"
         # Consumer B claims them (XAUTOCLAIM) and reads the rest: 10 windows stored, each once.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from telemetry.migrate import current_revision, downgrade, upgrade
-from telemetry.records import MAX_POLICY_VERSION, PolicyTable
+from telemetry.policy_table import MAX_POLICY_VERSION
+from telemetry.records import PolicyTable
 from telemetry.store import Store
 
 
