@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help="the embedded demo (spectune demo --help for its options)", add_help=False)
     sub.add_parser("ingest", help="store vLLM / SGLang / TensorRT-LLM telemetry as windows", add_help=False)
     sub.add_parser("export", help="the policy table as a vLLM / TensorRT-LLM / SGLang / HF config", add_help=False)
+    sub.add_parser("tune", help="tune a static table or the goodput policy with optuna on stored telemetry",
+                   add_help=False)
 
     p = sub.add_parser("bench", help=f"run a benchmark: {', '.join(BENCHES)} (args after NAME go to it)",
                        add_help=False)
@@ -144,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from controller.offline import cli as offline
 
             return int(offline.main(args_in))
+        if args_in and args_in[0] == "tune":  # optuna studies replaying stored telemetry
+            from controller.offline import tune
+
+            return int(tune.main(args_in[1:]))
         if args_in and args_in[0] == "demo":
             from controller.reference import demo
 
