@@ -44,6 +44,7 @@ from telemetry.records import MAX_NAME_LEN
 VERSION_TABLE = "spectune_alembic_version"  # distinct from optuna's alembic_version in a shared database
 BUCKET_KEY_LEN = 5 * MAX_NAME_LEN + 4  # five labels and four '|' separators
 REASON_LEN = 500  # operators' notes; PolicyTable.reason is cut to this length too
+ALERT_KIND_LEN = 32  # alert kinds and count units are short fixed words (telemetry.alerts)
 
 # Deterministic constraint names, so migrations can name what they create and drop (SQLite batch mode needs it).
 NAMING = {
@@ -78,6 +79,11 @@ class ModelVersionRow(Base):
     target_version: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
     draft_version: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
     first_seen_at: Mapped[float] = mapped_column(Float)
+    # The alerts' model-version registry (revision 0003): null until the registry first observes the pair, so the
+    # store may register a pair while ingesting and the registry still raises its ``model_update`` exactly once.
+    last_seen_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    acceptance_windows: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    cost_windows: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class IngestedBatchRow(Base):
@@ -211,3 +217,33 @@ class PinRow(Base):
     created_at: Mapped[float] = mapped_column(Float)
     removed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     removed_by: Mapped[str | None] = mapped_column(String(MAX_NAME_LEN), nullable=True)
+
+
+class AlertRow(Base):
+    """A raised alert (see :class:`telemetry.alerts.Alert`); acked by an operator, never deleted by spectune."""
+
+    __tablename__ = "alerts"
+    # "acked alerts of this kind and bucket" (is a new detection the same change?) and "newest first".
+    __table_args__ = (Index("ix_alerts_kind_bucket", "kind", "bucket", "acked_at"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(ALERT_KIND_LEN))
+    bucket: Mapped[str] = mapped_column(String(BUCKET_KEY_LEN))
+    k: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    target_version: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    draft_version: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    previous_target_version: Mapped[str | None] = mapped_column(String(MAX_NAME_LEN), nullable=True)
+    previous_draft_version: Mapped[str | None] = mapped_column(String(MAX_NAME_LEN), nullable=True)
+    affected: Mapped[list[Any]] = mapped_column(JSON)
+    statistic: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    stat_before: Mapped[float | None] = mapped_column(Float, nullable=True)
+    before_count: Mapped[int] = mapped_column(BigInteger)
+    stat_after: Mapped[float | None] = mapped_column(Float, nullable=True)
+    after_count: Mapped[int] = mapped_column(BigInteger)
+    count_unit: Mapped[str] = mapped_column(String(ALERT_KIND_LEN))
+    detector: Mapped[str | None] = mapped_column(String(REASON_LEN), nullable=True)
+    change_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    detected_at: Mapped[float] = mapped_column(Float)
+    message: Mapped[str] = mapped_column(Text)
+    extra: Mapped[dict[str, Any]] = mapped_column(JSON)
+    acked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    acked_by: Mapped[str | None] = mapped_column(String(MAX_NAME_LEN), nullable=True)

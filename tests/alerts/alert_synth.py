@@ -1,0 +1,42 @@
+"""Seeded synthetic windows for the alert tests, built with numpy.
+
+Acceptance follows the i.i.d. model (each draft token kept with probability ``alpha`` until the first rejection),
+so a row's accepted count is ``min(Geometric - 1, k)``; cost windows carry lognormal round times.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from telemetry.records import AcceptanceWindow, CostWindow, Stat
+
+
+def acceptance_hists(rng: np.random.Generator, n: int, rows: int, k: int, alpha: float) -> np.ndarray:
+    """``[n, k + 1]`` histograms of ``n`` windows of ``rows`` rows each."""
+    acc = np.minimum(rng.geometric(1.0 - alpha, size=(n, rows)) - 1, k)  # [n, rows]
+    counts = np.zeros((n, k + 1), dtype=np.int64)
+    np.add.at(counts, (np.repeat(np.arange(n), rows), acc.ravel()), 1)
+    return counts
+
+
+def acceptance_window(hist: np.ndarray, k: int, *, target: str = "t1", draft: str = "d1",
+                      request_type: str = "structured", context: str = "<=512") -> AcceptanceWindow:
+    h = tuple(int(x) for x in hist)
+    rows = sum(h)
+    accepted = sum(i * c for i, c in enumerate(h))
+    return AcceptanceWindow(target, draft, request_type, context, k, rows, rows * k, accepted, accepted + rows, h)
+
+
+def cost_window(round_s: np.ndarray, *, tokens_per_round: int = 40, target: str = "t1", draft: str = "d1",
+                max_k: int = 4) -> CostWindow:
+    """A window of ``len(round_s)`` rounds, each spending ``round_s[i]`` seconds verifying (a fifth drafting)."""
+    n = len(round_s)
+    verify = Stat(n, float(round_s.sum()), float((round_s ** 2).sum()), float(round_s.max()))
+    draft_s = Stat(n, verify.total / 5, verify.sumsq / 25, verify.max / 5)
+    return CostWindow(target, draft, 32, "<=512", max_k, n, n * tokens_per_round, n * 32, n * 32, draft_s, verify,
+                      Stat(), 0.001, 0.002, 0.003)
+
+
+def acceptance_rate(alpha: float, k: int) -> float:
+    """E[accepted / k] under the i.i.d. model: (alpha + alpha^2 + ... + alpha^k) / k."""
+    return sum(alpha ** i for i in range(1, k + 1)) / k
