@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=None, help="exit after this many seconds")
     p.add_argument("--ready-file", type=Path, default=None, help="write {url, pid} here once serving")
 
+    sub.add_parser("alerts", help="list drift alerts and model updates, ack one by id", add_help=False)
     sub.add_parser("demo", help="the embedded demo (spectune demo --help for its options)", add_help=False)
     sub.add_parser("ingest", help="store vLLM / SGLang / TensorRT-LLM telemetry as windows", add_help=False)
     sub.add_parser("export", help="the policy table as a vLLM / TensorRT-LLM / SGLang / HF config", add_help=False)
@@ -150,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from controller.offline import tune
 
             return int(tune.main(args_in[1:]))
+        if args_in and args_in[0] == "alerts":  # drift alerts and model updates (controller/service/alerts)
+            from controller.service.alerts import cli as alerts_cli
+
+            return int(alerts_cli.main(args_in[1:], _env("SPECTUNE_DB_URL", DEFAULT_DB_URL)))
         if args_in and args_in[0] == "demo":
             from controller.reference import demo
 
