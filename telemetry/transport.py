@@ -65,6 +65,11 @@ class RedisKeys:
         return f"{self.prefix}:policy-updates"
 
     @property
+    def alerts(self) -> str:
+        """Stream of raised alerts (model_update, acceptance_drift, cost_drift) for operators."""
+        return f"{self.prefix}:alerts"
+
+    @property
     def pattern(self) -> str:
         """A SCAN pattern matching every name of this prefix (housekeeping in tests and benchmarks)."""
         return f"{self.prefix}:*"

@@ -25,8 +25,9 @@ from controller.client import ClientConfig, EngineHooks, build_engine_hooks
 from controller.reference.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled, warm_up
 from engine.profiles import DEFAULT_PROFILE, get_profile
 from telemetry.emitter import EmitterConfig
-from telemetry.records import MAX_NAME_LEN, RoundRecord
+from telemetry.records import RecordError, RoundRecord
 from telemetry.transport import DEFAULT_PREFIX
+from telemetry.wire import check_label
 
 if TYPE_CHECKING:
     from engine.loader import Models
@@ -60,8 +61,10 @@ class EngineProcConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # free-form labels copied into status lines
 
     def __post_init__(self) -> None:
-        if not self.engine_id or len(self.engine_id) > MAX_NAME_LEN or "|" in self.engine_id:
-            raise ValueError(f"engine id must be 1..{MAX_NAME_LEN} chars without '|', got {self.engine_id!r}")
+        try:
+            check_label(self.engine_id, "engine id")  # it travels with every window: the wire's label rule
+        except RecordError as e:
+            raise ValueError(e.detail) from None
         if self.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
         get_profile(self.profile)  # a ValueError naming the profiles

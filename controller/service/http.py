@@ -39,7 +39,6 @@ from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
-from redis.exceptions import RedisError
 
 from controller.service.sidecar import Sidecar
 from telemetry.errors import SpectuneError
@@ -123,7 +122,7 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:  # reading the body from a client that went away
             self.close_connection = True
             sc.metrics.on_http_client_gone()
-        except (SpectuneError, RedisError) as e:
+        except SpectuneError as e:  # the store and the transports translate their libraries' errors
             self._json(503, {"error": f"the sidecar's store or transport failed: {e}", "reason": "unavailable"})
         except Exception as e:  # an endpoint bug answers 500, never kills the server thread silently
             sc._error(e)
