@@ -25,11 +25,19 @@ prompts, 192 new tokens per request, sampling at T = 1.
 - **static**: the best single global k by sweep (reported as ``k``).
 - **batch_table**: the best k per batch-size bucket across types, contexts and versions, by sweep (what a
   careful operator would write into vLLM's ``num_speculative_tokens_per_batch_size``; reported as
-  ``schedule``).
+  ``schedule``); **trtllm_schedule** the same schedule as TensorRT-LLM's ``draft_len_schedule``.
+- **vllm_dynamic**: vLLM's dynamic K with its offline ITL sweep taken from the same measurements (simulator:
+  the calibration's round seconds at short context; engine: the static sweep's median seconds per round per
+  batch size and K), and per-position acceptance learnt online.
+- **hf_heuristic**, **sglang_adaptive**, **sglang_adaptive_bs**, **ucb**, **goodput**: their defaults, learning
+  online.
 - Metrics per policy: tok_s, ratio_to_oracle, rounds_to_90_cold / _after_update (per bucket, rounds of presence
   up to the end of the first window from which a 3-window mean of goodput is >= 90% of the oracle's in the same
   windows — analytic on the simulator, measured on the engine; median and worst over buckets, and how many
   never did), k_changes_per_1000 (bucket-rounds).
+- Simulator section, ``busy``: the oracle, static and goodput again with a busy neighbour slowing 30% of the
+  windows (seeded spells, :func:`bench.simulator.interference_factors`), and how far goodput's ratio to the
+  oracle falls against the quiet run (``goodput_ratio_fall``).
 - Per section: ``goodput_over`` (goodput's tok/s over each other policy's, the ratios the targets are stated in)
   and ``oracle_over_static``, the ceiling of any "x static" ratio on this workload and calibration (a calibration
   where one k is best everywhere leaves no room to beat static k by much, however good the policy).
@@ -67,8 +75,17 @@ from bench.simulator import (
     workload,
 )
 from engine.profiles import DEFAULT_PROFILE, PROFILE_NAMES
-from policies import REGISTRY, BatchTablePolicy, Policy, StaticPolicy
+from policies import (
+    REGISTRY,
+    BatchTablePolicy,
+    GoodputPolicy,
+    Policy,
+    StaticPolicy,
+    TRTLLMSchedulePolicy,
+    VLLMDynamicPolicy,
+)
 from policies.base import Decision
+from policies.vllm_dynamic import VLLMDynamicConfig
 from telemetry.policy_table import RowLookup
 from telemetry.records import DEFAULT_BUCKETS, REQUEST_TYPES, Bucket
 
@@ -193,15 +210,45 @@ def bucket_metrics(res: SimResult, oracle: SimResult, specs: Sequence[WindowSpec
             "k_changes_per_1000": 1000.0 * changes / max(bucket_rounds, 1)}
 
 
-def lineup(static_k: int, schedule: list[list[int]], seed: int) -> dict[str, Policy]:
-    """Every registered policy, in registry order: ``static`` at the swept k, ``batch_table`` with the swept
-    schedule, the others with their defaults."""
+def trtllm_schedule_of(schedule: list[list[int]]) -> dict[int, int]:
+    """The swept vLLM schedule as TensorRT-LLM's ``draft_len_schedule`` (keys are upper bounds).
+
+    TensorRT-LLM runs batch sizes above the largest key with speculation off and wants its smallest key's value
+    to be the largest; the schedule's last range is open-ended up to the workload's largest batch, so its upper
+    bound is kept, and later ranges drafting more than the first are clamped to the first's K (what an operator
+    must write: TensorRT-LLM cannot express it).
+    """
+    first = schedule[0][2]
+    return {int(hi): min(int(k), first) for _, hi, k in schedule}
+
+
+def itl_sweep(round_s: dict[int, dict[int, float]] | None) -> VLLMDynamicConfig | None:
+    """vLLM's offline sweep (``batch_stats``): median round seconds per (batch size, K) — one round is one
+    inter-token interval of every row. Batch sizes the sweep lacks at K = 0 or 1 are dropped (vLLM needs both);
+    without batch size 1 there is no valid sweep (None: the policy sweeps online)."""
+    stats = {bs: dict(by_k) for bs, by_k in (round_s or {}).items() if 0 in by_k and 1 in by_k}
+    if 1 not in stats:
+        return None
+    ks = set.intersection(*(set(v) for v in stats.values()))
+    return VLLMDynamicConfig(batch_stats={bs: {k: v for k, v in by_k.items() if k in ks} for bs, by_k in stats.items()})
+
+
+def lineup(static_k: int, schedule: list[list[int]], seed: int,
+           itl: dict[int, dict[int, float]] | None = None) -> dict[str, Policy]:
+    """Every registered policy, in registry order, configured as a careful operator would from the same sweep:
+    ``static`` at the swept k, ``batch_table`` with the swept schedule, ``trtllm_schedule`` with the same schedule
+    in TensorRT-LLM's form, ``vllm_dynamic`` with the offline ITL sweep ``itl`` (batch size -> K -> seconds; None:
+    it sweeps online), the others with their defaults."""
     out: dict[str, Policy] = {}
     for name, cls in REGISTRY.items():
         if name == "static":
             out[name] = StaticPolicy(k=static_k, k_max=K_MAX, seed=seed)
         elif name == "batch_table":
             out[name] = BatchTablePolicy(schedule=schedule, k_max=K_MAX, seed=seed)
+        elif name == "trtllm_schedule":
+            out[name] = TRTLLMSchedulePolicy(draft_len_schedule=trtllm_schedule_of(schedule), k_max=K_MAX, seed=seed)
+        elif name == "vllm_dynamic":
+            out[name] = VLLMDynamicPolicy(itl_sweep(itl), k_max=K_MAX, seed=seed)
         else:
             out[name] = cls(k_max=K_MAX, seed=seed)
     return out
@@ -213,7 +260,8 @@ def run_simulator_section(cal: Calibration, quick: bool, seed: int = 0) -> tuple
     cal.note_batches([s.batch_size for s in specs])
     static_k = best_static_k(cal, specs)
     schedule = best_batch_schedule(cal, specs)
-    policies = lineup(static_k, schedule, seed)
+    itl = {b: {k: float(v) for k, v in enumerate(cal.round_s(b, "short").sum(axis=1))} for b in cal.batches}
+    policies = lineup(static_k, schedule, seed, itl)
     oracle = simulate(TablePolicy(oracle_table(cal, specs)), cal, specs, seed=seed)
     out: dict[str, Any] = {"oracle_tok_s": oracle.tok_s, "rounds": int(oracle.rounds.sum()),
                            "windows": len(specs), "window_s": WINDOW_S, "calibration_device": cal.device,
@@ -232,7 +280,27 @@ def run_simulator_section(cal: Calibration, quick: bool, seed: int = 0) -> tuple
         out["policies"][name] = entry
         regret = np.cumsum(res.rounds * (1.0 - res.expected_goodput / oracle.expected_goodput))
         curves[name] = (np.cumsum(res.rounds), regret)
+    out["busy"] = busy_neighbour(cal, specs, static_k, out, seed)
     return out, curves
+
+
+BUSY_SHARE = 0.3  # share of windows in busy spells when the simulator adds a busy neighbour
+
+
+def busy_neighbour(cal: Calibration, specs: Sequence[WindowSpec], static_k: int, quiet: dict[str, Any],
+                   seed: int) -> dict[str, Any]:
+    """The same workload with a busy neighbour (:func:`bench.simulator.interference_factors`): the oracle, static
+    and goodput again, and how much goodput's ratio to the oracle falls against the quiet run."""
+    oracle = simulate(TablePolicy(oracle_table(cal, specs)), cal, specs, seed=seed, busy_share=BUSY_SHARE)
+    out: dict[str, Any] = {"busy_share": BUSY_SHARE, "oracle_tok_s": oracle.tok_s, "policies": {}}
+    for name, pol in (("static", StaticPolicy(k=static_k, k_max=K_MAX, seed=seed)),
+                      ("goodput", GoodputPolicy(k_max=K_MAX, seed=seed))):
+        res = simulate(pol, cal, specs, seed=seed, busy_share=BUSY_SHARE)
+        out["policies"][name] = {"tok_s": res.tok_s, "ratio_to_oracle": res.tok_s / oracle.tok_s}
+    busy_ratio = out["policies"]["goodput"]["ratio_to_oracle"]
+    out["goodput_over_static"] = out["policies"]["goodput"]["tok_s"] / out["policies"]["static"]["tok_s"]
+    out["goodput_ratio_fall"] = 1.0 - busy_ratio / quiet["policies"]["goodput"]["ratio_to_oracle"]
+    return out
 
 
 @dataclass(frozen=True)
@@ -468,6 +536,14 @@ def _engine_section(
         return {g: max(by_k, key=lambda kk: by_k[kk][0] / by_k[kk][1]) for g, by_k in tot.items()}
 
     schedule = schedule_from_best(best_k_by(lambda s: DEFAULT_BUCKETS.batch_bucket(s.batch_size)))
+    # vllm_dynamic's offline sweep: median seconds per round per (batch size, K) over the sweep's short-context
+    # windows (vLLM sweeps at one context length too).
+    per_bk: dict[int, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for k, r in sweep_by_k.items():
+        for wi, spec in enumerate(specs):
+            if spec.context == "short" and r.rounds[wi] > 0:
+                per_bk[spec.batch_size][k].append(float(r.seconds[wi] / r.rounds[wi]))
+    itl = {b: {k: statistics.median(v) for k, v in by_k.items()} for b, by_k in per_bk.items()}
     cell_k = best_k_by(lambda s: _cell_of(s, ctx_label))
     table = {Bucket(v, models.draft_version, t, bb, cb).key(): k for (v, bb, cb), k in cell_k.items() for t in types}
     # static is re-run beside the others (its sweep run met other moments of contention); every repeat starts
@@ -475,7 +551,7 @@ def _engine_section(
     repeats: list[dict[str, Any]] = []
     curves: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for rep in range(plan.repeats):
-        pols: dict[str, Policy] = {"oracle": TablePolicy(table), **lineup(static_k, schedule, seed)}
+        pols: dict[str, Policy] = {"oracle": TablePolicy(table), **lineup(static_k, schedule, seed, itl)}
         results = stage(pols, f"policies {rep + 1}/{plan.repeats}")
         oracle = results.pop("oracle")
         entries: dict[str, Any] = {}
@@ -575,8 +651,13 @@ def print_table(section: dict[str, Any], title: str) -> None:
         t.add_row(label, f"{e['tok_s']:.1f}", f"{e['ratio_to_oracle']:.3f}", f(e["rounds_to_90_cold"]),
                   f(e["rounds_to_90_after_update"]), f"{e['k_changes_per_1000']:.1f}")
     Console().print(t)
-    print("  " + ", ".join(f"goodput / {o}: {r:.4f}" for o, r in section["goodput_over"].items())
-          + f"; ceiling oracle / static: {section['oracle_over_static']:.3f}")
+    print(f"  ceiling oracle / static: {section['oracle_over_static']:.3f}; "
+          + ", ".join(f"goodput / {o}: {r:.4f}" for o, r in section["goodput_over"].items()))
+    if "busy" in section:
+        b = section["busy"]
+        print(f"  with a busy neighbour ({b['busy_share']:.0%} of windows): goodput x oracle "
+              f"{b['policies']['goodput']['ratio_to_oracle']:.3f} (falls {b['goodput_ratio_fall']:.1%}), "
+              f"goodput / static {b['goodput_over_static']:.3f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
