@@ -118,6 +118,22 @@ def validate_request(req: Request, max_context: int, k_max: int) -> None:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _RoundSpans:
+    """Seconds of one round's phases, in the order :meth:`SpecEngine.step` marks them."""
+
+    prefill: float  # admitting new requests: the target's prefill of their prompts (kept apart, see RoundRecord)
+    setup: float  # policy lookups and the round's input tensors
+    draft: float
+    verify: float
+    bookkeeping: float  # appending the kept tokens, rolling caches back, retiring finished rows
+
+    @property
+    def other(self) -> float:
+        """Decode work that is neither drafting nor verifying (``RoundRecord.other_s``)."""
+        return self.setup + self.bookkeeping
+
+
 class _Clock:
     """Phase timing: CUDA events on a GPU (device time, one sync per round), perf_counter on the CPU."""
 
@@ -272,22 +288,21 @@ class SpecEngine:
             row_records.append(RowRecord(s.req.request_type, contexts[j], rows_k[j], a, kept))
             self._maybe_retire(i)
         clock.mark()  # --- end of bookkeeping
-        spans = clock.spans()  # prefill, set-up, draft, verify, bookkeeping
-        other = spans[1] + spans[4]
+        spans = _RoundSpans(*clock.spans())
         self.round_index += 1
         return RoundRecord(
             round_index=self.round_index - 1,
             batch_size=bsz,
             max_k=kmax,
             tokens_verified=sum(rows_k) + bsz,  # packed: sum over rows of k + 1
-            draft_s=spans[2],
-            verify_s=spans[3],
-            other_s=other,
+            draft_s=spans.draft,
+            verify_s=spans.verify,
+            other_s=spans.other,
             target_version=self.target_version,
             draft_version=self.draft_version,
             rows=tuple(row_records),
             timestamp=time.time(),
-            prefill_s=spans[0],
+            prefill_s=spans.prefill,
         )
 
     # ------------------------------------------------------------------------------------------ internals
