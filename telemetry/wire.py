@@ -304,12 +304,12 @@ class _Round(Struct, frozen=True, gc=False):
     prefill_s: Seconds = 0.0  # absent from engines that predate it
 
 
-def _round(r: _Round) -> RoundRecord:
+def _round_rules(r: _Round) -> None:
     max_k, bs = r.max_k, r.batch_size
     if not bs <= r.tokens_verified <= bs * (max_k + 1):  # packed: 1..max_k + 1 tokens per row
         rule_broken("bad_tokens_verified", f"tokens_verified={r.tokens_verified} outside [batch_size, "
                                            f"batch_size * (max_k + 1)] = [{bs}, {bs * (max_k + 1)}]")
-    rows = []
+    known = _known_labels
     for x in r.rows:
         if x.k > max_k:
             rule_broken("out_of_range", f"row k={x.k} outside [0, max_k={max_k}]")
@@ -317,13 +317,24 @@ def _round(r: _Round) -> RoundRecord:
             rule_broken("accepted_gt_drafted", f"row accepted={x.accepted} > k={x.k}")
         if x.emitted > x.accepted + 1:
             rule_broken("out_of_range", f"row emitted={x.emitted} with accepted={x.accepted}")
-        _label(x.request_type, "request_type")
-        rows.append(RowRecord(x.request_type, x.context_len, x.k, x.accepted, x.emitted))
-    refuse_negative_zero("a round time", r.draft_s, r.verify_s, r.other_s, r.timestamp, r.prefill_s)
+        if x.request_type not in known:
+            _label(x.request_type, "request_type")
+    if not (r.draft_s and r.verify_s and r.other_s and r.timestamp and r.prefill_s):
+        refuse_negative_zero("a round time", r.draft_s, r.verify_s, r.other_s, r.timestamp, r.prefill_s)
     _label(r.target_version, "target_version")
     _label(r.draft_version, "draft_version")
-    return RoundRecord(r.round_index, bs, max_k, r.tokens_verified, r.draft_s, r.verify_s, r.other_s,
-                       r.target_version, r.draft_version, tuple(rows), r.timestamp, r.prefill_s)
+
+
+def _round(r: _Round) -> RoundRecord:
+    _round_rules(r)
+    rows = tuple(_build(RowRecord, {"request_type": x.request_type, "context_len": x.context_len, "k": x.k,
+                                    "accepted": x.accepted, "emitted": x.emitted}) for x in r.rows)
+    return _build(RoundRecord, {
+        "round_index": r.round_index, "batch_size": r.batch_size, "max_k": r.max_k,
+        "tokens_verified": r.tokens_verified, "draft_s": r.draft_s, "verify_s": r.verify_s, "other_s": r.other_s,
+        "target_version": r.target_version, "draft_version": r.draft_version, "rows": rows,
+        "timestamp": r.timestamp, "prefill_s": r.prefill_s,
+    })
 
 
 class _Batch(Struct, frozen=True, gc=False):
@@ -353,7 +364,7 @@ def _check_schema_version(sv: object) -> None:
         rule_broken("unknown_schema_version", f"schema_version={sv!r}, this build reads {SCHEMA_VERSION}")
 
 
-for _record in (Stat, AcceptanceWindow, CostWindow):  # what _build may construct without __init__
+for _record in (Stat, AcceptanceWindow, CostWindow, RowRecord, RoundRecord):  # what _build constructs
     assert not hasattr(_record, "__post_init__"), f"{_record.__name__} gained a __post_init__: build it normally"
 
 
@@ -510,7 +521,7 @@ def check_round(r: RoundRecord) -> None:
     Raises:
         RecordError: with a countable ``reason``.
     """
-    _check(r, _Round, _round)
+    _check(r, _Round, _round_rules)  # the rules alone: the engine holds the record already
 
 
 def check_window(w: AcceptanceWindow | CostWindow) -> None:
