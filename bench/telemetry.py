@@ -50,8 +50,8 @@ from telemetry.transport import RedisConfig, RedisStreamsTransport
 from telemetry.urls import redact_url
 from telemetry.wire import encode_batch
 
-EMITTER_TARGET_FRACTION = 0.01  # issue 3: the emitter costs at most 1% of a plain decode step
-INGEST_TARGET_RECORDS_PER_S = 50_000  # issue 3: round records/s into PostgreSQL by one process
+EMITTER_TARGET_FRACTION = 0.01  # the emitter costs at most 1% of a plain decode step
+INGEST_TARGET_RECORDS_PER_S = 50_000  # round records/s into PostgreSQL by one process
 RAW_XADD_PIPELINE = 512  # entries per pipeline in the raw XADD loop (what a batching client would do)
 STEP_WARMUP = 10  # decode steps before timing (allocator, caches)
 STEP_CACHE = 256  # KV cache capacity for the decode-step stand-in; rows are reset when full

@@ -42,7 +42,7 @@ PROFILES: dict[str, Profile] = {
 }
 PROFILE_NAMES = tuple(PROFILES)
 DEFAULT_PROFILE = "xl"  # the demo, `spectune engine` and `bench policies` run the physics of a large target
-UNLABELLED_PROFILE = "small"  # benchmark cells written before profiles existed measured the trained pair
+UNLABELLED_PROFILE = "small"  # a benchmark cell without a profile field measured the trained pair
 PROFILE_HELP = "xl: target-v1 widened 4x (a 43M model's cost, the same predictions); small: as trained"
 
 

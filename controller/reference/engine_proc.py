@@ -102,7 +102,7 @@ class _Status:
         self.rounds += 1
         self.tokens += r.emitted
         # The latest round only: a type absent from recent rounds must not report the k it had before a policy
-        # change (the e2e test read such a stale k as a pin not applied).
+        # change (a reader would take that stale k for a pin not applied).
         self.k_by_type = {row.request_type: row.k for row in r.rows}
         v = self._hooks.client.version
         now = time.monotonic()

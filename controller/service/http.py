@@ -61,7 +61,7 @@ class HttpConfig:
     idle_timeout_s: float = 5.0  # a keep-alive connection with no request this long is closed
     request_timeout_s: float = 10.0  # a request (headers and body) or a response write may take this long
     max_queued: int = 256  # connections with a request waiting for a worker; past this: 503 at once
-    backlog: int = 128  # listen(2) backlog: a burst of 20+ clients must not wait for SYN retries (was 5)
+    backlog: int = 128  # listen(2) backlog (socketserver: 5): a burst of 20+ clients must not wait for SYN retries
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.max_queued < 1 or self.backlog < 1:

@@ -71,7 +71,7 @@ class SidecarConfig:
     # A bucket explores only while its cell (versions, batch bucket, context bucket) has traffic: a cost window
     # within the last this-many decisions. Other buckets get the policy's current best without exploration (no
     # rows there to measure a probe, and probing them only churns the table: after a model update the old
-    # version's cells were otherwise probed at k=0 and the default k followed them).
+    # version's cells would be probed at k=0 and the default k would follow them).
     explore_active_decisions: int = 3
     consumer: ConsumerConfig = field(default_factory=ConsumerConfig)
 
