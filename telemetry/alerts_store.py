@@ -12,25 +12,22 @@ one caller (one sidecar, once) learns that a pair is new, whichever of the store
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from telemetry.alerts import Alert
-from telemetry.db import create_db_engine
-from telemetry.errors import SpectuneError, StoreError, StoreRejectedError
+from telemetry.db import create_db_engine, transaction
+from telemetry.errors import SpectuneError, StoreError
 from telemetry.migrate import check
 from telemetry.records import MAX_NAME_LEN
 from telemetry.schema import REASON_LEN, AlertRow, ModelVersionRow
-from telemetry.urls import redact_url
 
 __all__ = ["AlertNotFoundError", "AlertStore", "ModelVersion"]
 
@@ -70,24 +67,9 @@ class AlertStore:
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._dialect = self._engine.dialect.name
 
-    @contextmanager
-    def _session(self, what: str) -> Iterator[Session]:
-        """Commit on success, roll back on error, always close; database errors become the project's."""
-        s = self._sessions()
-        try:
-            yield s
-            s.commit()
-        except BaseException as e:
-            with contextlib.suppress(SQLAlchemyError):
-                s.rollback()
-            if isinstance(e, IntegrityError | DataError):
-                raise StoreRejectedError(f"{what}: the database refused the data: {e.orig}") from e
-            if isinstance(e, SQLAlchemyError):
-                raise StoreError(f"{what} failed on {redact_url(self.url)}: {e}; check that the database is "
-                                 "reachable (the operation can be retried)") from e
-            raise
-        finally:
-            s.close()
+    def _session(self, what: str) -> AbstractContextManager[Session]:
+        """One transaction (:func:`telemetry.db.transaction`): database errors leave as the project's."""
+        return transaction(self._sessions, what, self.url)
 
     def close(self) -> None:
         self._engine.dispose()

@@ -15,20 +15,18 @@ delivery from Redis becomes exactly-once in the store.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import JSON, BigInteger, Float, Integer, String, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from telemetry.db import create_db_engine
+from telemetry.db import create_db_engine, transaction
 from telemetry.errors import StoreError, StoreRejectedError
 from telemetry.migrate import check, upgrade
 from telemetry.policy_table import policy_table_from_json
@@ -122,33 +120,9 @@ class Store:
         self._acc_ids: dict[AccKey, int] = {}
         self._cost_ids: dict[CostKey, int] = {}
 
-    @contextmanager
-    def _session(self, what: str) -> Iterator[Session]:
-        """The one place that owns a transaction: commit on success, roll back on error, always close; and the
-        one place that turns SQLAlchemy's errors into the project's.
-
-        Args:
-            what: the operation, for the error message (``storing window batches``).
-
-        Raises:
-            StoreRejectedError: the database refused the data (a constraint, a value out of range).
-            StoreError: any other database failure (unreachable, locked, a driver error).
-        """
-        s = self._sessions()
-        try:
-            yield s
-            s.commit()
-        except BaseException as e:
-            with contextlib.suppress(SQLAlchemyError):  # a dead connection cannot roll back; the error below says why
-                s.rollback()
-            if isinstance(e, IntegrityError | DataError):
-                raise StoreRejectedError(f"{what}: the database refused the data: {e.orig}") from e
-            if isinstance(e, SQLAlchemyError):
-                raise StoreError(f"{what} failed on {redact_url(self.url)}: {e}; check that the database is "
-                                 "reachable (the operation can be retried)") from e
-            raise
-        finally:
-            s.close()
+    def _session(self, what: str) -> AbstractContextManager[Session]:
+        """One transaction (:func:`telemetry.db.transaction`): database errors leave as the project's."""
+        return transaction(self._sessions, what, self.url)
 
     def close(self) -> None:
         self._engine.dispose()

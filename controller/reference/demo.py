@@ -5,21 +5,25 @@ present, else CPU), the engine hooks (policy client + telemetry emitter), the in
 on a thread with the ``goodput`` policy, and a SQLite file in the run folder. ``--redis-url`` / ``--db-url``
 switch the transport and the store to Redis and PostgreSQL.
 
-The same workload (:data:`controller.reference.workload.WORKLOADS` ``"demo"``: code, prose and structured requests; load
-rising to a large batch and falling; long-context requests; the model update midway) is played three times:
+The same workload (:data:`controller.reference.workload.WORKLOADS` ``"demo"``: code, prose and structured
+requests; load rising to a large batch and falling; long-context requests; the model update midway) is played:
 
 1. **learned**: k from the sidecar, which starts knowing nothing and learns while the workload runs;
-2. **static k**: one k for everything (what most deployments configure);
-3. **best per bucket (hindsight)**: for each (model version, batch bucket, context bucket), the k with the highest
-   tokens/s measured in runs 1 and 2, fixed for the whole run: the best a static table could have done with
-   what the first two runs found.
+2. **static k** (``--static-k``, 3): one k for everything (what most deployments configure);
+3. **static sweep** (``--sweep-ks``, 2 4 6): the same with other ks; the best static k in hindsight is the best of
+   these runs and run 2;
+4. **best per bucket (hindsight)**: for each (model version, batch bucket, context bucket), the k with the highest
+   tokens/s measured in the runs before it, fixed for the whole run: the best a static table could have done with
+   what those runs found.
 
-Tokens per second compare fairly because each phase lasts the same wall time in every run.
+Tokens per second compare fairly because each phase lasts the same wall time in every run. The summary prints
+learned over static k, over the best static k and over the best per bucket, and writes them to ``demo.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -58,6 +62,7 @@ class DemoConfig:
     db_url: str | None = None  # None: SQLite file in the run folder
     time_scale: float = 1.0  # multiplies every phase's length
     static_k: int = 3  # the static baseline's k
+    sweep_ks: tuple[int, ...] = (2, 4, 6)  # more static runs: the best static k in hindsight is the best of all
     k_max: int = 8
     max_batch: int = 64  # the engine's rows; every phase's load is capped at it
     seed: int = 0
@@ -70,6 +75,8 @@ class DemoConfig:
         get_profile(self.profile)  # a ValueError naming the profiles
         if not 0 <= self.static_k <= self.k_max:
             raise ValueError(f"--static-k must be in [0, k_max={self.k_max}]")
+        if not all(0 <= k <= self.k_max for k in self.sweep_ks):
+            raise ValueError(f"--sweep-ks must lie in [0, k_max={self.k_max}], got {list(self.sweep_ks)}")
 
 
 def cell_of(r: RoundLog) -> tuple[str, int, str]:
@@ -204,8 +211,10 @@ def run_demo(cfg: DemoConfig) -> Path:
     with console.status("loading the models and the held-out prompts"):
         eng = _Engine(cfg)
     m = eng.models
+    static_ks = [cfg.static_k, *(k for k in dict.fromkeys(cfg.sweep_ks) if k != cfg.static_k)]
     console.print(f"[bold]spectune demo[/]: target {m.target_version} -> {m.target_v2_version} midway, draft "
-                  f"{m.draft_version}, on {m.device.label}; {len(phases)} phases, {total:.0f}s per run, 3 runs")
+                  f"{m.draft_version}, on {m.device.label}; {len(phases)} phases, {total:.0f}s per run, "
+                  f"{len(static_ks) + 2} runs")
     columns = (TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn())
     live: list[Sidecar] = []
@@ -233,18 +242,61 @@ def run_demo(cfg: DemoConfig) -> Path:
         prog.update(task, completed=total)
         logs.append(learned)
 
-        task = prog.add_task(f"static k={cfg.static_k}", total=total, info="")
-        logs.append(_live_run(cfg, eng, phases, run_dir, f"static k={cfg.static_k}", progress_for(task),
-                              lambda *_: cfg.static_k)[0])
-        prog.update(task, completed=total)
+        statics: dict[int, RunLog] = {}
+        for k in static_ks:
+            task = prog.add_task(f"static k={k}", total=total, info="")
+            statics[k] = _live_run(cfg, eng, phases, run_dir, f"static k={k}", progress_for(task),
+                                   partial(_constant, k))[0]
+            prog.update(task, completed=total)
 
-        best = best_per_cell(logs)
+        best = best_per_cell([learned, *statics.values()])
         task = prog.add_task("best per bucket (hindsight)", total=total, info="")
-        logs.append(_play_best(cfg, eng, phases, run_dir, {c: k for c, (k, _) in best.items()}, progress_for(task)))
+        per_bucket = _play_best(cfg, eng, phases, run_dir, {c: k for c, (k, _) in best.items()}, progress_for(task))
         prog.update(task, completed=total)
 
-    write_report(run_dir, cfg.static_k, phases, logs, sidecar, best, console, m.target_v2_version)
+    best_k = max(statics, key=lambda k: statics[k].tokens())
+    shown = [learned, statics[cfg.static_k], *([statics[best_k]] if best_k != cfg.static_k else []), per_bucket]
+    result = demo_result(cfg, m.device.label, learned, statics, per_bucket)
+    r = result["ratios"]
+    write_report(run_dir, cfg.static_k, phases, shown, sidecar, best, console, m.target_v2_version, {
+        f"learned / static k={cfg.static_k}": r["learned_over_static"],
+        f"learned / best static k in hindsight (k={best_k})": r["learned_over_best_static"],
+        "learned / best per bucket in hindsight": r["learned_over_best_per_bucket"]})
+    (run_dir / "demo.json").write_text(json.dumps(result, indent=1) + "\n")
+    console.print(f"learned / static k={cfg.static_k}: [bold]{r['learned_over_static']:.3f}[/]; "
+                  f"learned / best static in hindsight (k={best_k}): [bold]{r['learned_over_best_static']:.3f}[/]; "
+                  f"learned / best per bucket in hindsight: [bold]{r['learned_over_best_per_bucket']:.3f}[/]")
     return run_dir
+
+
+def _constant(k: int, _rtype: str, _batch: int, _ctx: int) -> int:
+    return k
+
+
+def demo_result(cfg: DemoConfig, device: str, learned: RunLog, statics: dict[int, RunLog],
+                per_bucket: RunLog) -> dict[str, Any]:
+    """What ``demo.json`` holds: tokens/s of every run and the three ratios the demo is judged by.
+
+    Every run plays the same phases for the same wall time, so ratios of tokens are ratios of tokens/s.
+    """
+    def tok_s(log: RunLog) -> float:
+        return log.tokens() / max(log.wall_s, 1e-9)
+
+    best_k = max(statics, key=lambda k: statics[k].tokens())
+    tokens = learned.tokens()
+    return {
+        "profile": cfg.profile, "device": device, "time_scale": cfg.time_scale, "seed": cfg.seed,
+        "static_k": cfg.static_k, "best_static_k": best_k,
+        "tok_s": {"learned": tok_s(learned), **{f"static k={k}": tok_s(v) for k, v in statics.items()},
+                  "best per bucket (hindsight)": tok_s(per_bucket)},
+        "tokens": {"learned": tokens, **{f"static k={k}": v.tokens() for k, v in statics.items()},
+                   "best per bucket (hindsight)": per_bucket.tokens()},
+        "ratios": {
+            "learned_over_static": tokens / max(1, statics[cfg.static_k].tokens()),
+            "learned_over_best_static": tokens / max(1, statics[best_k].tokens()),
+            "learned_over_best_per_bucket": tokens / max(1, per_bucket.tokens()),
+        },
+    }
 
 
 def _play_best(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: Path,
@@ -282,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--redis-url", default=None, help="use Redis instead of the in-process transport")
     ap.add_argument("--db-url", default=None, help="use this database (e.g. PostgreSQL) instead of SQLite")
     ap.add_argument("--static-k", type=int, default=3, help="k of the static baseline")
+    ap.add_argument("--sweep-ks", type=int, nargs="*", default=[2, 4, 6],
+                    help="more static runs, for the best static k in hindsight (none: only --static-k)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt-cache", type=Path, default=Path(".spectune_cache"))
     return ap
@@ -293,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     scale = args.time_scale if args.time_scale is not None else (QUICK_SCALE if args.quick else 1.0)
     cfg = DemoConfig(out_root=args.out, checkpoints=args.checkpoints, profile=args.profile, device=args.device,
                      redis_url=args.redis_url, db_url=args.db_url, time_scale=scale, static_k=args.static_k,
+                     sweep_ks=tuple(args.sweep_ks),
                      seed=args.seed, prompt_cache=args.prompt_cache, max_batch=QUICK_MAX_BATCH if args.quick else 64)
     run_dir = run_demo(cfg)
     print(f"report: {run_dir / 'summary.md'}")

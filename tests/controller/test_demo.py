@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,13 @@ def test_quick_demo_writes_its_report(tmp_path: Path, checkpoints: Path, prompt_
                     "## Speculation turned off / on", "## Policy versions"):
         assert heading in summary
     assert "| overall |" in summary and "- v1 at t=" in summary
+    result = json.loads((run / "demo.json").read_text())
+    assert set(result["ratios"]) == {"learned_over_static", "learned_over_best_static", "learned_over_best_per_bucket"}
+    assert result["best_static_k"] in (3, 2, 4, 6)
+    best = result["tokens"][f"static k={result['best_static_k']}"]
+    assert result["ratios"]["learned_over_best_static"] == pytest.approx(result["tokens"]["learned"] / best)
+    assert all(best >= v for name, v in result["tokens"].items() if name.startswith("static"))
+    assert "learned / best static in hindsight" in out
 
 
 def test_best_per_cell_reads_rounds_by_name() -> None:
