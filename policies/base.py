@@ -121,9 +121,7 @@ class Policy(ABC):
     def observe(self, window: Window) -> None:
         """Validate a window and learn from it. Garbage raises :class:`RecordError` naming what is wrong."""
         if isinstance(window, AcceptanceWindow):
-            check_window(window)  # the wire's rules
-            if window.k > MAX_DRAFT_LEN:
-                raise RecordError("out_of_range", f"k={window.k} > MAX_DRAFT_LEN")
+            check_window(window)  # the wire's rules (k within MAX_DRAFT_LEN among them)
         elif isinstance(window, CostWindow):
             check_window(window)
             if window.rounds <= 0 or window.batch_rows <= 0:

@@ -1,18 +1,23 @@
 """Opening a database URL: the one place that knows how spectune connects to SQLite and PostgreSQL.
 
-Both the store (:mod:`telemetry.store`) and the schema administration (:mod:`telemetry.migrate`) open their
-databases here, so a connection option set for one holds for the other.
+The stores (:mod:`telemetry.store`, :mod:`telemetry.alerts_store`) and the schema administration
+(:mod:`telemetry.migrate`) open their databases here, so a connection option set for one holds for the others;
+the stores run every transaction through :func:`transaction`, which translates database errors.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DataError, IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
 
-from telemetry.errors import StoreError
+from telemetry.errors import StoreError, StoreRejectedError
 from telemetry.urls import redact_url
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000  # a writer waits this long for another's lock before failing
@@ -44,3 +49,34 @@ def create_db_engine(url: str) -> Engine:
         return create_engine(u, pool_pre_ping=True)
     except (ArgumentError, ImportError, SQLAlchemyError) as e:
         raise StoreError(f"cannot open database {redact_url(url)}: {e}") from e
+
+
+@contextmanager
+def transaction(sessions: sessionmaker[Session], what: str, url: str) -> Iterator[Session]:
+    """One transaction: commit on success, roll back on error, always close; and the one place that turns
+    SQLAlchemy's errors into the project's, so callers of a store catch only those.
+
+    Args:
+        sessions: the store's session factory.
+        what: the operation, for the error message (``storing window batches``).
+        url: the database, shown redacted in the error message.
+
+    Raises:
+        StoreRejectedError: the database refused the data (a constraint, a value out of range).
+        StoreError: any other database failure (unreachable, locked, a driver error).
+    """
+    s = sessions()
+    try:
+        yield s
+        s.commit()
+    except BaseException as e:
+        with contextlib.suppress(SQLAlchemyError):  # a dead connection cannot roll back; the error below says why
+            s.rollback()
+        if isinstance(e, IntegrityError | DataError):
+            raise StoreRejectedError(f"{what}: the database refused the data: {e.orig}") from e
+        if isinstance(e, SQLAlchemyError):
+            raise StoreError(f"{what} failed on {redact_url(url)}: {e}; check that the database is reachable "
+                             "(the operation can be retried)") from e
+        raise
+    finally:
+        s.close()

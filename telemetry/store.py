@@ -31,7 +31,6 @@ from telemetry.errors import StoreError, StoreRejectedError
 from telemetry.migrate import check, upgrade
 from telemetry.policy_table import policy_table_from_json
 from telemetry.records import (
-    MAX_DRAFT_LEN,
     MAX_NAME_LEN,
     AcceptanceWindow,
     CostWindow,
@@ -54,7 +53,7 @@ from telemetry.schema import (
     SampledRoundRow,
 )
 from telemetry.urls import redact_url
-from telemetry.wire import parse_bucket_key
+from telemetry.wire import check_draft_len, parse_bucket_key
 
 DEFAULT_DB_URL = "sqlite:///spectune.sqlite"
 ROWS_PER_STATEMENT = 1000  # multi-VALUES chunk: well under SQLite's 32766 bound variables at <= 30 columns
@@ -438,8 +437,7 @@ class Store:
 
 def _check_pin(bucket_key: str, k: int, who: str) -> None:
     parse_bucket_key(bucket_key)  # the one bucket-key parser: the same rules as tables on the wire
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_DRAFT_LEN:
-        raise RecordError("out_of_range", f"pinned k={k!r} outside [0, {MAX_DRAFT_LEN}]")
+    check_draft_len(k, "pinned k")
     if not who or len(who) > MAX_NAME_LEN:
         raise RecordError("bad_name", f"who must be 1..{MAX_NAME_LEN} chars")
 

@@ -109,6 +109,20 @@ def _label(v: Any, what: str) -> str:
     return v
 
 
+def check_draft_len(v: Any, what: str) -> int:
+    """The draft-length rule (:data:`DraftLen`) for a k that does not travel inside a record (a pin's).
+
+    Raises:
+        RecordError: ``bad_type`` for a non-int (a bool included), ``out_of_range`` outside [0, MAX_DRAFT_LEN].
+    """
+    try:
+        k: int = msgspec.convert(v, DraftLen)
+    except msgspec.ValidationError as e:
+        err = record_error(e, v)
+        raise RecordError(err.reason, f"{what}={v!r}: {err.detail}") from None
+    return k
+
+
 def refuse_negative_zero(what: str, *values: float) -> None:
     # -0.0 == 0.0 passes every bound, but no clock or timer reads it: the sender is forged or broken.
     for v in values:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from telemetry.records import AcceptanceWindow
-from telemetry.wire import parse_bucket
+from telemetry.records import WILDCARD, AcceptanceWindow
+from telemetry.wire import parse_bucket_key
 
 ACCEPTANCE_LABELS = ("target_version", "draft_version", "request_type", "context_bucket")
 BUCKET_LABELS = ("target_version", "draft_version", "request_type", "batch_bucket", "context_bucket")
@@ -134,11 +134,10 @@ class SidecarMetrics:
         self.policy_version.set(version)
         self.chosen_k.clear()  # buckets absent from the new table must not linger with an old k
         for key, k in entries.items():
-            if "*" in key.split("|"):
+            t, d, r, bb, c = parse_bucket_key(key)
+            if bb is None or WILDCARD in (t, d, r, c):
                 continue
-            b = parse_bucket(key)
-            self.chosen_k.labels(b.target_version, b.draft_version, b.request_type, str(b.batch_bucket),
-                                 b.context_bucket).set(k)
+            self.chosen_k.labels(t, d, r, str(bb), c).set(k)
 
     def exposition(self) -> bytes:
         """The text exposition format of this registry (what ``GET /metrics`` serves)."""
