@@ -18,6 +18,7 @@ is told apart by its first byte (a JSON object starts with ``{``, a msgpack map 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import operator
@@ -218,6 +219,10 @@ def _stat(s: _Stat) -> Stat:
     return _build(Stat, {"count": s.count, "total": total, "sumsq": sumsq, "max": mx})
 
 
+_BINS = tuple(range(k + 1) for k in range(MAX_DRAFT_LEN + 1))  # hist bin indices per k
+_fields_of = msgspec.structs.asdict
+
+
 class _Acceptance(Struct, frozen=True, gc=False):
     target_version: str
     draft_version: str
@@ -241,7 +246,7 @@ def _acceptance(a: _Acceptance) -> AcceptanceWindow:
         rule_broken("accepted_gt_drafted", f"accepted={accepted} > drafted={drafted}")
     if sum(hist) != rows:
         rule_broken("bad_hist", f"hist sums to {sum(hist)}, expected rows={rows}")
-    if sum(map(operator.mul, range(k + 1), hist)) != accepted:  # sum of i * hist[i]
+    if sum(map(operator.mul, _BINS[k], hist)) != accepted:  # sum of i * hist[i]
         rule_broken("bad_hist", "hist does not add up to accepted")
     if emitted > accepted + rows:  # each row emits its accepted drafts plus at most one more
         rule_broken("emitted_gt_possible", f"emitted={emitted} > accepted + rows")
@@ -252,10 +257,7 @@ def _acceptance(a: _Acceptance) -> AcceptanceWindow:
         _label(dv, "draft_version")
         _label(rt, "request_type")
         _label(cb, "context_bucket")
-    return _build(AcceptanceWindow, {
-        "target_version": tv, "draft_version": dv, "request_type": rt, "context_bucket": cb, "k": k, "rows": rows,
-        "drafted": drafted, "accepted": accepted, "emitted": emitted, "hist": hist,
-    })
+    return _build(AcceptanceWindow, _fields_of(a))  # the same field names (asserted below)
 
 
 class _Cost(Struct, frozen=True, gc=False):
@@ -378,7 +380,9 @@ def _check_schema_version(sv: object) -> None:
         rule_broken("unknown_schema_version", f"schema_version={sv!r}, this build reads {SCHEMA_VERSION}")
 
 
-for _record in (Stat, AcceptanceWindow, CostWindow, RowRecord, RoundRecord):  # what _build constructs
+for _record, _wire in ((Stat, _Stat), (AcceptanceWindow, _Acceptance), (CostWindow, _Cost), (RowRecord, _Row),
+                       (RoundRecord, _Round), (WindowBatch, _Batch)):  # each wire definition mirrors its record
+    assert _wire.__struct_fields__ == tuple(f.name for f in dataclasses.fields(_record)), _record.__name__
     assert not hasattr(_record, "__post_init__"), f"{_record.__name__} gained a __post_init__: build it normally"
 
 
