@@ -213,6 +213,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _engine(args: argparse.Namespace) -> int:
     from controller.reference.engine_proc import EngineProcConfig, install_stop_signals, run_engine
+    from telemetry.transport import RedisKeys
 
     _check_redis(args.redis_url)
     cfg = EngineProcConfig(
@@ -224,8 +225,9 @@ def _engine(args: argparse.Namespace) -> int:
     )
     stop = threading.Event()
     install_stop_signals(stop)
+    keys = RedisKeys(cfg.prefix)
     print(f"engine {cfg.engine_id}: loading models, then decoding workload {cfg.workload!r} "
-          f"(windows -> {cfg.prefix}:windows, policy <- {cfg.prefix}:policy)", flush=True)
+          f"(windows -> {keys.windows}, policy <- {keys.policy})", flush=True)
     res = run_engine(cfg, stop, say=lambda line: print(f"engine {cfg.engine_id}: {line}", flush=True))
     print(f"engine {cfg.engine_id}: {res['rounds']} rounds, {res['tokens']} tokens in {res['wall_s']:.1f}s, "
           f"{res['windows_sent']} windows sent; policy: {res['client']['detail']}", flush=True)

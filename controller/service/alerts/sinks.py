@@ -43,7 +43,7 @@ ALERTS_STREAM_MAXLEN = 10_000  # alerts are rare; the table keeps them all, the 
 
 def alerts_stream(keys: RedisKeys) -> str:
     """``{prefix}:alerts``: the stream of raised alerts (one JSON field ``v`` per entry)."""
-    return f"{keys.prefix}:alerts"
+    return keys.alerts
 
 
 class AlertSink(ABC):
