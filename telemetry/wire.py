@@ -67,7 +67,8 @@ _known_labels: set[str] = set()
 
 
 class RuleBroken(Exception):
-    """A broken rule's reason. Not a ValueError: msgspec would wrap one raised inside a ``__post_init__``."""
+    """A broken rule's reason, raised by the checks here and turned into a :class:`RecordError` (with the
+    schema-version rule first) where a decode or check leaves this module."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(reason, detail)
