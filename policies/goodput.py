@@ -219,8 +219,13 @@ class GoodputPolicy(Policy):
         combos, g_mean, g_shared = self._evaluate(b, types, w, None)
         expected = {k: float(v) for k, v in enumerate(g_shared) if np.isfinite(v)}
         if not explore:  # the incumbent, not a probe or draw served this epoch
-            inc = cell.incumbent if cell is not None else {}
-            ks = inc if all(t in inc for t in types) else dict(zip(types, combos[int(np.argmax(g_mean))], strict=True))
+            # A type without an incumbent adopts the posterior mean's best, which then stays its incumbent: a
+            # quiet cell keeps its last k while the shared cost model moves with other cells' traffic.
+            if cell is None:
+                cell = self._cells[key] = _Cell()
+            best = dict(zip(types, (int(k) for k in combos[int(np.argmax(g_mean))]), strict=True))
+            cell.incumbent.update({t: k for t, k in best.items() if t not in cell.incumbent})
+            ks = cell.incumbent
             return Decision(k=int(ks[b.request_type]), expected_goodput=expected, reason="current best, no exploration",
                             kind=DecisionKind.BEST)
         _, g_draw, g_draw_shared = self._evaluate(b, types, w, self._rng)  # Thompson draw (same combos)
