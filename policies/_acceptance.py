@@ -97,6 +97,18 @@ class AcceptanceModel:
             c.s = c.s * self.decay + s
             c.n = c.n * self.decay + n
 
+    def forget(self, vd: Versions, rtype: str, ctx: str, keep_rows: float) -> None:
+        """Shrink the (versions, type, context) bucket's own evidence to at most ``keep_rows`` rows (after an
+        acceptance drift there): every position's counts scale by one factor, so the curve's shape is kept while
+        its posterior widens and falls back toward the type curve; new windows then outweigh the old level fast.
+        """
+        vc = self._by_versions.get(vd)
+        c = vc.by_bucket.get((rtype, ctx)) if vc is not None else None
+        if c is None or c.n[0] <= keep_rows:  # n[0]: rows that drafted at all (every one is a trial at position 1)
+            return
+        f = keep_rows / float(c.n[0])
+        c.s, c.n = c.s * f, c.n * f
+
     def _previous(self, vd: Versions) -> Versions | None:
         """The most recent other (target, draft) versions seen before ``vd`` (or last seen, if vd is new)."""
         versions = list(self._by_versions)

@@ -164,6 +164,19 @@ class Policy(ABC):
         except (KeyError, TypeError, ValueError) as e:
             raise RecordError("bad_snapshot", f"snapshot is malformed: {e!r}") from e
 
+    def reopen(self, target_version: str, draft_version: str, request_type: str, context_bucket: str) -> None:
+        """Acceptance moved in this acceptance bucket (an ``acceptance_drift`` alert): widen its exploration again,
+        so the policy re-converges on the new level instead of trusting what it learnt before the change.
+
+        What that means is the policy's (:meth:`_reopen`; default: nothing, for policies that learn nothing or
+        forget on their own). k and every other bucket are left as they are.
+        """
+        for name, v in (("target_version", target_version), ("draft_version", draft_version),
+                        ("request_type", request_type), ("context_bucket", context_bucket)):
+            if not isinstance(v, str) or not v:
+                raise RecordError("bad_type", f"reopen() needs {name} as a non-empty string, got {v!r}")
+        self._reopen(target_version, draft_version, request_type, context_bucket)
+
     def table(self, buckets: Iterable[Bucket], version: int, reason: str = "") -> PolicyTable:
         """Project the current best guesses (no exploration) onto a :class:`PolicyTable`."""
         entries = {b.key(): self.decide(b, explore=False).k for b in buckets}
@@ -179,6 +192,10 @@ class Policy(ABC):
 
     def _observe(self, window: Window) -> None:  # noqa: B027 - static policies learn nothing
         """Learn from a validated window (default: nothing)."""
+
+    def _reopen(self, target_version: str, draft_version: str, request_type: str,  # noqa: B027 - optional hook
+                context_bucket: str) -> None:
+        """Widen exploration of one acceptance bucket after a drift (default: nothing)."""
 
     @abstractmethod
     def _get_state(self) -> dict[str, Any]:

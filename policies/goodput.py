@@ -136,6 +136,9 @@ class GoodputPolicy(Policy):
             shared cost model). A cell beyond that range is probed once.
         packed: the engine verifies only the tokens each row drafted, so a row drafting less than the round's
             largest k saves its share (see the module docstring).
+        reopen_rows: after an acceptance drift (:meth:`~policies.base.Policy.reopen`) the bucket keeps at most this
+            many rows of its old evidence: its Thompson draws widen and the new level outweighs the old in a few
+            windows.
     """
 
     name = "goodput"
@@ -145,7 +148,7 @@ class GoodputPolicy(Policy):
                  prior_mean: float = 0.6, bucket_strength: float = 30.0, type_strength: float = 60.0,
                  version_strength: float = 10.0, acceptance_decay: float = 0.995, cost_prior_windows: float = 2.0,
                  refit_every: int = 16, slope_cells: int = 2, off_margin: float = 0.10,
-                 explore_radius: int = 2, packed: bool = True) -> None:
+                 explore_radius: int = 2, packed: bool = True, reopen_rows: float = 10.0) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
@@ -153,10 +156,12 @@ class GoodputPolicy(Policy):
             raise ValueError("objective='latency' needs latency_p99_s > 0")
         if switch_margin < 0 or off_margin < 0 or hold_decisions < 0 or probe_every < 1 or explore_radius < 1:
             raise ValueError("switch_margin, off_margin, hold_decisions must be >= 0; probe_every, explore_radius >= 1")
+        if reopen_rows < 0:
+            raise ValueError(f"reopen_rows must be >= 0, got {reopen_rows}")
         self.off_margin, self.explore_radius = off_margin, explore_radius
         self.objective, self.latency_p99_s = objective, latency_p99_s
         self.switch_margin, self.hold_decisions, self.probe_every = switch_margin, hold_decisions, probe_every
-        self.slope_cells, self.packed = slope_cells, packed
+        self.slope_cells, self.packed, self.reopen_rows = slope_cells, packed, reopen_rows
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every)
@@ -186,6 +191,15 @@ class GoodputPolicy(Policy):
                 rounds -= 1
             self._cost.observe(w.batch_bucket, w.context_bucket, w.max_k, rounds, rows, parts[0], parts[1], parts[2],
                                drafted=drafted)
+
+    def _reopen(self, target_version: str, draft_version: str, request_type: str, context_bucket: str) -> None:
+        """Acceptance drifted in (versions, type, context): shrink that bucket's evidence to ``reopen_rows`` rows,
+        and let each cell of those versions and context bucket decide afresh at the next decision (no hold left,
+        its cost probe allowed again): a widened draw can be served and the mean may switch at once."""
+        self._acc.forget((target_version, draft_version), request_type, context_bucket, self.reopen_rows)
+        for (t, d, _bb, ctx), cell in self._cells.items():
+            if (t, d, ctx) == (target_version, draft_version, context_bucket):
+                cell.hold, cell.probed, cell.epoch = 0, False, -1
 
     # ----------------------------------------------------------------------------------------- deciding
     def _evaluate(self, bucket: Bucket, types: list[str], weights: np.ndarray,
