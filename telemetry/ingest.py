@@ -7,6 +7,13 @@ and acknowledgement redelivers entries the store already holds; idempotent inges
 
 Bad input never crashes the loop and is never silently dropped. A store or transport outage is counted and the
 step returns nothing; the unacknowledged entries stay pending and are claimed again after ``claim_min_idle_ms``.
+
+With a :class:`~telemetry.cardinality.CardinalityGate`, a valid batch is split first: windows whose labels would
+take the tracked request types, buckets or version pairs past their caps are dead-lettered (one dead letter
+holding those windows, under the entry's id, with the reason most of them crossed) and counted per window; the
+batch's other windows are stored. The excess is dead-lettered after the rest is committed and before the entry
+is acknowledged, so a failure in between redelivers the entry (the store skips what it holds, the gate splits it
+the same way).
 """
 
 from __future__ import annotations
@@ -17,11 +24,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from telemetry.cardinality import CardinalityGate, Split
 from telemetry.errors import StoreError, StoreRejectedError, TransportError
 from telemetry.records import MAX_NAME_LEN, RecordError, WindowBatch
 from telemetry.store import Store
 from telemetry.transport import Entry, Transport
-from telemetry.wire import decode_batch
+from telemetry.wire import decode_batch, encode_batch
 
 STORE_REJECTED = "store_rejected"  # dead-letter reason: valid on the wire, but the database refused it
 MAX_INFLIGHT_TRACKED = 100_000  # own unacknowledged ids remembered (a few reads' worth; oldest forgotten first)
@@ -77,12 +85,15 @@ class Consumer:
         transport: the sidecar side of the transport.
         store: where valid batches go.
         config: consumer settings.
+        gate: caps on the labels tracked (None: every valid window is stored).
     """
 
-    def __init__(self, transport: Transport, store: Store, config: ConsumerConfig | None = None) -> None:
+    def __init__(self, transport: Transport, store: Store, config: ConsumerConfig | None = None,
+                 gate: CardinalityGate | None = None) -> None:
         self._t = transport
         self._store = store
         self._cfg = config or ConsumerConfig()
+        self._gate = gate
         self._next_claim = 0.0
         self._received = self._claimed = self._stored = self._duplicates = 0
         self._transport_failures = self._store_failures = 0
@@ -129,16 +140,28 @@ class Consumer:
             return []
         self._received += len(entries)
         valid: list[tuple[str, WindowBatch]] = []
+        excess: dict[str, Split] = {}
         for eid, payload in entries:
             try:
-                valid.append((eid, decode_batch(payload)))
+                batch = decode_batch(payload)
             except RecordError as e:
                 self._reject(eid, payload, e.reason)
+                continue
+            if self._gate is not None:
+                split = self._gate.split(batch)
+                if split.admitted is None:  # nothing of it is tracked: dead-lettered whole (and acknowledged)
+                    self._reject_excess(eid, payload, split)
+                    continue
+                if split.excess:
+                    excess[eid] = split
+                batch = split.admitted
+            valid.append((eid, batch))
         if not valid:
             return []
-        return self._store_and_ack(valid, {eid: p for eid, p in entries})
+        return self._store_and_ack(valid, {eid: p for eid, p in entries}, excess)
 
-    def _store_and_ack(self, valid: list[tuple[str, WindowBatch]], payloads: dict[str, bytes]) -> list[WindowBatch]:
+    def _store_and_ack(self, valid: list[tuple[str, WindowBatch]], payloads: dict[str, bytes],
+                       excess: dict[str, Split] | None = None) -> list[WindowBatch]:
         refused = 0
         try:
             fresh = self._store.ingest_new([b for _, b in valid])
@@ -164,6 +187,11 @@ class Consumer:
         self._stored += len(fresh)
         self._refused += refused
         self._duplicates += len(valid) - len(fresh)  # stored, or already held: the refused are not in valid
+        if excess:
+            kept = {eid for eid, _ in valid}
+            failed = {eid for eid, split in excess.items()
+                      if eid in kept and not self._reject_excess(eid, payloads[eid], split)}
+            valid = [(eid, b) for eid, b in valid if eid not in failed]  # excess not dead-lettered yet: stays pending
         try:
             self._t.ack([eid for eid, _ in valid])
             self._settled([eid for eid, _ in valid])
@@ -178,6 +206,23 @@ class Consumer:
             self._settled([eid])
         except TransportError as e:  # stays pending; it is rejected again when claimed
             self._transport_failure(e)
+
+    def _reject_excess(self, eid: str, payload: bytes, split: Split) -> bool:
+        """Dead-letter the windows the gate refused (which acknowledges the entry), counted per window under the
+        split's reason. Returns False when the transport failed (the entry stays pending)."""
+        assert split.excess is not None and split.reason is not None
+        try:
+            data = encode_batch(split.excess)
+        except RecordError:  # cannot happen for windows that decoded; keep the whole payload then
+            data = payload
+        try:
+            self._t.deadletter(eid, data, split.reason)
+        except TransportError as e:
+            self._transport_failure(e)
+            return False
+        self._rejected[split.reason] = self._rejected.get(split.reason, 0) + split.excess_windows
+        self._settled([eid])
+        return True
 
     def _settled(self, ids: list[str]) -> None:
         for eid in ids:

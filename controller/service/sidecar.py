@@ -5,9 +5,14 @@ One loop (:meth:`Sidecar.step`, run on a thread or as the ``spectune sidecar`` p
 1. :meth:`telemetry.ingest.Consumer.step` reads a batch of entries from the transport, dead-letters invalid ones
    with their reason, stores the valid ones idempotently and returns only the new ones;
 2. each acceptance and cost window of those goes to ``policy.observe`` (a window the policy refuses is counted
-   by reason, never fatal) and to the Prometheus series;
+   by reason, never fatal) and to the Prometheus series, then, when the sidecar has an
+   :class:`~controller.service.alerts.AlertManager`, the batch goes to it: the alerts it raises are stored and told
+   to its sinks, and an ``acceptance_drift`` re-opens that bucket's exploration (:meth:`policies.base.Policy.reopen`).
+   An alert failure is counted, never raised into the loop;
 3. every ``publish_every_windows`` windows or ``publish_every_s`` seconds the sidecar asks the policy for k in
-   every bucket seen (versions x request types x batch buckets x context buckets), applies the operators' pins
+   every bucket seen (versions x request types x batch buckets x context buckets) whose cell had traffic lately
+   (a quiet bucket keeps its last k, so a decision costs what the traffic does, not what was ever seen; the
+   labels tracked are capped by :class:`~telemetry.cardinality.CardinalityLimits`), applies the operators' pins
    (a pin overrides the policy), and when any k changed stores a new :class:`~telemetry.records.PolicyTable`
    version in SQL with the reason, then publishes it (Redis, or an in-process callback).
 
@@ -33,11 +38,13 @@ import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controller.service.metrics import SidecarMetrics
 from controller.service.publish import Publisher
 from policies.base import Decision, Policy, cell_key
+from telemetry.alerts import ACCEPTANCE_DRIFT, Alert
+from telemetry.cardinality import CardinalityGate, CardinalityLimits
 from telemetry.errors import SpectuneError, StoreError, TransportError
 from telemetry.ingest import Consumer, ConsumerConfig
 from telemetry.policy_table import MAX_REASON_CHARS, check_table_size
@@ -53,6 +60,10 @@ from telemetry.records import (
 )
 from telemetry.store import Pin, Store
 from telemetry.transport import Transport
+from telemetry.wire import parse_bucket_key
+
+if TYPE_CHECKING:
+    from controller.service.alerts import AlertManager
 
 HISTORY_KEEP = 1000  # decisions kept in memory for the demo and the HTTP endpoint
 ERROR_BACKOFF_S = 0.5  # pause after an unexpected error, so a persistent fault is not a busy loop
@@ -74,6 +85,9 @@ class SidecarConfig:
     # version's cells would be probed at k=0 and the default k would follow them).
     explore_active_decisions: int = 3
     consumer: ConsumerConfig = field(default_factory=ConsumerConfig)
+    # Caps on the request types, buckets and version pairs tracked: windows beyond them are dead-lettered with a
+    # reason (telemetry.cardinality), so forged labels cannot grow the policy or the decision time without end.
+    limits: CardinalityLimits = field(default_factory=CardinalityLimits)
 
     def __post_init__(self) -> None:
         if self.publish_every_windows < 1:
@@ -134,21 +148,31 @@ class Sidecar:
         policy: the learning policy (``goodput`` in production).
         publisher: where tables go (Redis or a callback).
         metrics: the Prometheus series (a fresh private registry by default).
+        alerts: watches every new batch and raises drift alerts (None: no alerts); the caller closes it.
     """
 
     def __init__(self, config: SidecarConfig, transport: Transport, store: Store, policy: Policy,
-                 publisher: Publisher, metrics: SidecarMetrics | None = None) -> None:
+                 publisher: Publisher, metrics: SidecarMetrics | None = None, *,
+                 alerts: AlertManager | None = None) -> None:
         self.config = config
         self.transport = transport
         self.store = store
         self.policy = policy
         self.publisher = publisher
         self.metrics = metrics or SidecarMetrics()
-        self._consumer = Consumer(transport, store, config.consumer)
+        self.alerts = alerts
+        self.recent_alerts: list[Alert] = []  # raised by this sidecar, newest last (the demo's report)
+        self.alert_failures = 0  # batches the alert manager raised on, and re-opens the policy refused
+        self.reopened = 0  # buckets re-opened after an acceptance drift
+        self._gate = CardinalityGate(config.limits)  # fed by the consumer, seeded by the start-up replay
+        self._consumer = Consumer(transport, store, config.consumer, gate=self._gate)
         self._lock = threading.RLock()  # the policy and the version counter (loop thread vs HTTP threads)
         self._seen: dict[tuple[str, str], _Seen] = {}
         self._decisions = 0  # decisions taken (publish_if_changed calls)
         self._last_traffic: dict[str, int] = {}  # cell key -> self._decisions when its last cost window came
+        # bucket key -> the decision a quiet bucket keeps (taken without exploration): only active cells, new
+        # buckets and cells that just went quiet are decided on a publish, so its cost follows the traffic
+        self._kept: dict[str, Decision] = {}
         self._version = 0
         self._current: PolicyTable | None = None
         self._unpublished: PolicyTable | None = None  # stored but not yet delivered (publisher was down)
@@ -190,7 +214,8 @@ class Sidecar:
         windows.sort(key=lambda x: x[0])
         with self._lock:
             for _, w in windows:
-                self._observe_window(w, count_metrics=False)
+                if self._gate.admit(w) is None:  # stored before the caps were lowered: kept, not learned from
+                    self._observe_window(w, count_metrics=False)
 
     # ------------------------------------------------------------------------------------------- loop
     def step(self) -> int:
@@ -274,6 +299,33 @@ class Sidecar:
             self._observe_window(c)
         if b.dropped_before:
             self._count_rejected("engine_dropped_windows", b.dropped_before)
+        if self.alerts is not None:
+            self._watch(self.alerts, b)
+
+    def _watch(self, alerts: AlertManager, b: WindowBatch) -> None:
+        """Alerts for a new batch (stored and sent by the manager); an acceptance drift re-opens its bucket."""
+        try:
+            raised = alerts.observe_batch(b)
+        except Exception as e:  # the manager counts its store's and sinks' faults; anything else is counted here
+            self.alert_failures += 1
+            self._error(e)
+            return
+        for a in raised:
+            if a.kind == ACCEPTANCE_DRIFT:
+                self._reopen(a)
+        self.recent_alerts += raised
+        del self.recent_alerts[:-HISTORY_KEEP]
+
+    def _reopen(self, a: Alert) -> None:
+        """Widen exploration of the drifted acceptance bucket (``target|draft|type|*|context``)."""
+        try:
+            _t, _d, rtype, _bb, ctx = parse_bucket_key(a.bucket)
+            self.policy.reopen(a.target_version, a.draft_version, rtype, ctx)
+        except Exception as e:  # a policy bug or an odd label must not stop ingestion
+            self.alert_failures += 1
+            self._error(e)
+            return
+        self.reopened += 1
 
     def _observe_window(self, w: AcceptanceWindow | CostWindow, count_metrics: bool = True) -> None:
         try:
@@ -338,7 +390,7 @@ class Sidecar:
             buckets = self.buckets()
             t0 = time.perf_counter()
             try:
-                decisions = {b.key(): self.policy.decide(b, explore=self._active(b)) for b in buckets}
+                decisions = self._decide(buckets)
             except Exception as e:  # a policy bug must not take the sidecar down; the last table stays
                 self._count_rejected("policy_error")
                 self._error(e)
@@ -359,6 +411,23 @@ class Sidecar:
                 return None
             reason = _describe(cur, entries, default_k, pins, trigger)
             return self._store_and_publish(entries, default_k, reason, decisions)
+
+    def _decide(self, buckets: list[Bucket]) -> dict[str, Decision]:
+        """The policy's decision per bucket. A bucket whose cell is quiet keeps the decision it got without
+        exploration (the policy would return the same incumbent: nothing of that cell moved); active cells, new
+        buckets and buckets that were exploring when their cell went quiet are decided."""
+        decisions: dict[str, Decision] = {}
+        kept: dict[str, Decision] = {}
+        for b in buckets:
+            key, active = b.key(), self._active(b)
+            d = None if active else self._kept.get(key)
+            if d is None:
+                d = self.policy.decide(b, explore=active)
+            if not active:
+                kept[key] = d
+            decisions[key] = d
+        self._kept = kept
+        return decisions
 
     def _active(self, b: Bucket) -> bool:
         """Whether ``b``'s cell had a cost window within the last ``explore_active_decisions`` decisions."""
@@ -496,6 +565,11 @@ class Sidecar:
             "unpublished_version": self._unpublished.version if self._unpublished else None,
             "publisher_ok": self._publisher_ok,
             "policy_version_ahead": dict(self.version_ahead) if self.version_ahead else None,
+            "tracked": self._gate.stats(),
+            "alerts": None if self.alerts is None else {
+                "raised": dict(sorted((k[len("raised_"):], n) for k, n in self.alerts.stats.items()
+                                      if k.startswith("raised_"))),
+                "failures": self.alert_failures + self.alerts.stats["failures"], "reopened": self.reopened},
             "uptime_s": round(time.time() - self.started_at, 3),
         }
 

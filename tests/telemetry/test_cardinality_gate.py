@@ -1,0 +1,99 @@
+"""The cardinality gate (issue 14, item 6): caps on request types, buckets and version pairs, and the consumer's
+split of a batch into stored windows and dead-lettered excess, on real Redis and SQLite."""
+
+from __future__ import annotations
+
+import pytest
+
+from telemetry.cardinality import (
+    TOO_MANY_BUCKETS,
+    TOO_MANY_REQUEST_TYPES,
+    TOO_MANY_VERSIONS,
+    CardinalityGate,
+    CardinalityLimits,
+)
+from telemetry.ingest import Consumer, ConsumerConfig
+from telemetry.records import AcceptanceWindow, CostWindow, Stat, WindowBatch
+from telemetry.store import Store
+from telemetry.transport import RedisConfig, RedisStreamsTransport
+from telemetry.wire import decode_batch, encode_batch
+
+FAST = ConsumerConfig(consumer="c1", block_ms=10, claim_min_idle_ms=0, claim_interval_s=0.0, backoff_s=0.01)
+
+
+def acc(rtype: str, ctx: str = "<=512", target: str = "t1", draft: str = "d1") -> AcceptanceWindow:
+    return AcceptanceWindow(target, draft, rtype, ctx, k=2, rows=4, drafted=8, accepted=4, emitted=8,
+                            hist=(1, 2, 1))
+
+
+def cost(bb: int, ctx: str = "<=512", target: str = "t1", draft: str = "d1") -> CostWindow:
+    s = Stat(2, 0.02, 0.0002, 0.01)
+    return CostWindow(target, draft, bb, ctx, max_k=2, rounds=2, tokens_verified=3 * bb * 2, emitted=4 * bb,
+                      batch_rows=2 * bb, draft_s=s, verify_s=s, other_s=s, latency_p50=0.01, latency_p95=0.01,
+                      latency_p99=0.01)
+
+
+def batch(seq: int, acceptance: list[AcceptanceWindow], costs: list[CostWindow] | None = None,
+          engine: str = "e1") -> WindowBatch:
+    return WindowBatch(engine, seq, float(seq), float(seq) + 0.25, tuple(acceptance), tuple(costs or ()))
+
+
+@pytest.mark.parametrize("field", ["max_request_types", "max_buckets", "max_version_pairs"])
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "8"])
+def test_limits_are_validated(field: str, bad: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        CardinalityLimits(**{field: bad})  # type: ignore[arg-type]
+
+
+def test_each_cap_has_its_reason_and_known_labels_stay_admitted() -> None:
+    g = CardinalityGate(CardinalityLimits(max_request_types=3, max_buckets=40, max_version_pairs=2))
+    assert all(g.admit(acc(t)) is None for t in ("a", "b", "c"))
+    assert g.admit(acc("d")) == TOO_MANY_REQUEST_TYPES
+    assert g.admit(acc("a")) is None  # a type already tracked keeps coming in
+    assert g.admit(acc("a", target="t2")) is None
+    assert g.admit(acc("a", target="t3")) == TOO_MANY_VERSIONS
+    # t1|d1: 3 types x 1 context; batch buckets multiply: 3 x 4 = 12, then 3 x 4 x 2 = 24 with a second context
+    assert all(g.admit(cost(bb)) is None for bb in (1, 2, 4, 8))
+    assert g.buckets == 12 + 1
+    assert g.admit(acc("a", ctx="<=2048")) is None
+    assert g.buckets == 24 + 1
+    assert g.admit(cost(16)) is None and g.admit(cost(32)) is None  # 3 x 6 x 2 + 1 = 37 fits ...
+    assert g.admit(cost(64)) == TOO_MANY_BUCKETS  # ... 3 x 7 x 2 + 1 = 43 does not
+    assert g.admit(acc("a", ctx=">8192")) == TOO_MANY_BUCKETS  # 3 x 6 x 3 + 1 = 55: a new context neither
+    assert g.buckets == 37 and g.stats() == {"request_types": 3, "buckets": 37, "version_pairs": 2}
+
+
+def test_a_flood_is_capped_and_a_redelivery_splits_the_same_way() -> None:
+    g = CardinalityGate(CardinalityLimits(max_request_types=8))
+    flood = batch(1, [acc("code")] + [acc(f"forged-{i}") for i in range(1000)], [cost(4)])
+    first = g.split(flood)
+    assert g.request_types == 8
+    assert first.admitted is not None and first.reason == TOO_MANY_REQUEST_TYPES
+    assert [a.request_type for a in first.admitted.acceptance] == ["code"] + [f"forged-{i}" for i in range(7)]
+    assert first.admitted.cost == flood.cost  # the legitimate windows of the batch are kept
+    assert first.excess_windows == 1000 - 7
+    again = g.split(flood)
+    assert again == first
+    assert g.split(batch(2, [acc("forged-999")])).admitted is None
+
+
+def test_the_consumer_stores_the_rest_and_dead_letters_the_excess(redis_url: str, redis_prefix: str,
+                                                                   sqlite_url: str) -> None:
+    t = RedisStreamsTransport(redis_url, RedisConfig(prefix=redis_prefix))
+    with Store(sqlite_url, auto_upgrade=True) as store:
+        c = Consumer(t, store, FAST, gate=CardinalityGate(CardinalityLimits(max_request_types=2)))
+        t.publish([encode_batch(batch(1, [acc("code"), acc("prose"), acc("x1"), acc("x2")], [cost(4)])),
+                   encode_batch(batch(2, [acc("x3")])),
+                   encode_batch(batch(3, [acc("code")]))])
+        fresh = c.step()
+        assert [(b.seq, len(b.acceptance), len(b.cost)) for b in fresh] == [(1, 2, 1), (3, 1, 0)]
+        assert sorted(w.window.request_type for w in store.acceptance_windows()) == ["code", "code", "prose"]
+        assert len(store.cost_windows()) == 1
+        dead = t.dead_letters()
+        assert [d.reason for d in dead] == [TOO_MANY_REQUEST_TYPES] * 2
+        excess = [decode_batch(d.payload) for d in dead]
+        assert sorted(a.request_type for b in excess for a in b.acceptance) == ["x1", "x2", "x3"]
+        assert {(b.engine_id, b.seq) for b in excess} == {("e1", 1), ("e1", 2)}  # where they came from
+        assert c.stats().rejected == {TOO_MANY_REQUEST_TYPES: 3}  # counted per window
+        assert t.client.xpending(t.stream, "sidecar")["pending"] == 0  # every entry settled
+    t.close()
