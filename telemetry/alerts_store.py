@@ -1,6 +1,6 @@
 """SQL access to the ``alerts`` table and the model-version registry (``model_versions``), apart from the hot store.
 
-Same database, same conventions as :class:`telemetry.store.Store`: opened by :func:`telemetry.db.create_db_engine`,
+Same database, same conventions as :class:`telemetry.store.Store`: opened by :class:`telemetry.db.Database`,
 refuses a schema that is not at head (naming the upgrade command), one context manager owns each transaction and
 turns SQLAlchemy's errors into the project's. Kept out of ``Store`` because alerts are rare, operator-facing writes
 and ``Store`` is the ingest hot path.
@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import select, update
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session, sessionmaker
 
 from telemetry.alerts import Alert
-from telemetry.db import create_db_engine, transaction
-from telemetry.errors import SpectuneError, StoreError
+from telemetry.db import Database
+from telemetry.errors import SpectuneError
 from telemetry.migrate import check
 from telemetry.records import MAX_NAME_LEN
 from telemetry.schema import REASON_LEN, AlertRow, ModelVersionRow
@@ -50,7 +46,7 @@ class ModelVersion:
     cost_windows: int
 
 
-class AlertStore:
+class AlertStore(Database):
     """Alerts (add, list, ack) and the model-version registry, on the spectune database at ``url``.
 
     Args:
@@ -61,24 +57,8 @@ class AlertStore:
     """
 
     def __init__(self, url: str) -> None:
-        self.url = url
         check(url)
-        self._engine = create_db_engine(url)
-        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
-        self._dialect = self._engine.dialect.name
-
-    def _session(self, what: str) -> AbstractContextManager[Session]:
-        """One transaction (:func:`telemetry.db.transaction`): database errors leave as the project's."""
-        return transaction(self._sessions, what, self.url)
-
-    def close(self) -> None:
-        self._engine.dispose()
-
-    def __enter__(self) -> AlertStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().__init__(url)
 
     # ------------------------------------------------------------------------------------------- alerts
     def add(self, alert: Alert) -> Alert:
@@ -145,13 +125,6 @@ class AlertStore:
         return None
 
     # ---------------------------------------------------------------------------------------- registry
-    def _insert(self, table: Any) -> Any:
-        if self._dialect == "postgresql":
-            return postgresql.insert(table)
-        if self._dialect == "sqlite":
-            return sqlite.insert(table)
-        raise StoreError(f"dialect {self._dialect} is not supported; use SQLite or PostgreSQL")
-
     def claim_version(self, pair: Pair, now: float) -> bool:
         """Mark ``pair`` observed; True for exactly one caller ever (the one that should raise ``model_update``)."""
         m = ModelVersionRow

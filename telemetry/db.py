@@ -2,7 +2,8 @@
 
 The stores (:mod:`telemetry.store`, :mod:`telemetry.alerts_store`) and the schema administration
 (:mod:`telemetry.migrate`) open their databases here, so a connection option set for one holds for the others;
-the stores run every transaction through :func:`transaction`, which translates database errors.
+the stores derive from :class:`Database` and run every transaction through :func:`transaction`, which
+translates database errors.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Self
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DataError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -80,3 +82,45 @@ def transaction(sessions: sessionmaker[Session], what: str, url: str) -> Iterato
         raise
     finally:
         s.close()
+
+
+class Database:
+    """An open spectune database: the engine, its session factory, and the pieces every store shares.
+
+    The base of :class:`telemetry.store.Store` and :class:`telemetry.alerts_store.AlertStore`. It does not check
+    the schema revision (:mod:`telemetry.migrate` opens its engines here, so it cannot be imported from here);
+    each store calls :func:`telemetry.migrate.check` before this constructor.
+
+    Args:
+        url: SQLAlchemy URL (SQLite or PostgreSQL).
+
+    Raises:
+        StoreError: the URL cannot be parsed or its driver is missing.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._engine = create_db_engine(url)
+        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+        self._dialect = self._engine.dialect.name
+
+    def _session(self, what: str) -> contextlib.AbstractContextManager[Session]:
+        """One transaction (:func:`transaction`): database errors leave as the project's."""
+        return transaction(self._sessions, what, self.url)
+
+    def _insert(self, table: Any) -> Any:
+        """The dialect's ``INSERT`` for ``table`` (a mapped class), which has ``on_conflict_do_nothing``."""
+        if self._dialect == "postgresql":
+            return postgresql.insert(table)
+        if self._dialect == "sqlite":
+            return sqlite.insert(table)
+        raise StoreError(f"dialect {self._dialect} is not supported; use SQLite or PostgreSQL")
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

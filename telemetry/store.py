@@ -18,15 +18,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import JSON, BigInteger, Float, Integer, String, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
-from telemetry.db import create_db_engine, transaction
+from telemetry.db import Database
 from telemetry.errors import StoreError, StoreRejectedError
 from telemetry.migrate import check, upgrade
 from telemetry.policy_table import policy_table_from_json
@@ -95,7 +93,7 @@ class Pin:
 
 
 # ------------------------------------------------------------------------------------------------- store
-class Store:
+class Store(Database):
     """The spectune database.
 
     Args:
@@ -108,38 +106,15 @@ class Store:
     """
 
     def __init__(self, url: str = DEFAULT_DB_URL, *, auto_upgrade: bool = False) -> None:
-        self.url = url
         if auto_upgrade:
             upgrade(url)
         check(url)
-        self._engine = create_db_engine(url)
-        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
-        self._dialect = self._engine.dialect.name
+        super().__init__(url)
         # Bucket key -> id, as committed (filled after the transaction that registered them commits).
         self._acc_ids: dict[AccKey, int] = {}
         self._cost_ids: dict[CostKey, int] = {}
 
-    def _session(self, what: str) -> AbstractContextManager[Session]:
-        """One transaction (:func:`telemetry.db.transaction`): database errors leave as the project's."""
-        return transaction(self._sessions, what, self.url)
-
-    def close(self) -> None:
-        self._engine.dispose()
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -------------------------------------------------------------------------------------- ingestion
-    def _insert(self, table: Any) -> Any:
-        if self._dialect == "postgresql":
-            return postgresql.insert(table)
-        if self._dialect == "sqlite":
-            return sqlite.insert(table)
-        raise StoreError(f"dialect {self._dialect} is not supported; use SQLite or PostgreSQL")
-
     def _bulk_insert(self, s: Session, table: Any, cols: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
         """Append ``rows`` (tuples in ``cols`` order) to ``table`` (a mapped class) in the session's transaction.
 
