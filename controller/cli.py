@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auto-upgrade", action="store_true", help="migrate the database to head at start-up")
     p.add_argument("--duration", type=float, default=None, help="exit after this many seconds")
     p.add_argument("--ready-file", type=Path, default=None, help="write {url, pid} here once serving")
+    p.add_argument("--alerts", action=argparse.BooleanOptionalAction, default=True,
+                   help="raise drift alerts and model updates (alerts table, {prefix}:alerts stream, log line, "
+                        "spectune_alerts_total, GET /alerts); an acceptance drift re-opens its bucket's exploration")
+    p.add_argument("--alert-webhook", default=None, metavar="URL",
+                   help="also POST each alert's JSON here (bounded retries, off the sidecar's loop)")
 
     sub.add_parser("alerts", help="list drift alerts and model updates, ack one by id", add_help=False)
     sub.add_parser("demo", help="the embedded demo (spectune demo --help for its options)", add_help=False)
@@ -235,16 +240,31 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _sidecar(args: argparse.Namespace) -> int:
+    from controller.service.alerts import (
+        AlertConfig,
+        AlertManager,
+        AlertSink,
+        LogSink,
+        PrometheusSink,
+        RedisStreamSink,
+        WebhookConfig,
+        WebhookSink,
+    )
     from controller.service.http import OperatorServer
+    from controller.service.metrics import SidecarMetrics
     from controller.service.publish import RedisPublisher
     from controller.service.sidecar import Sidecar, SidecarConfig
     from policies import REGISTRY
+    from telemetry.alerts_store import AlertStore
     from telemetry.ingest import ConsumerConfig, default_consumer_name
     from telemetry.store import Store
     from telemetry.transport import RedisConfig, RedisStreamsTransport
 
     if args.policy not in REGISTRY:
         raise CLIError(f"unknown policy {args.policy!r}; choose one of: {', '.join(sorted(REGISTRY))}")
+    if args.alert_webhook is not None and not args.alerts:
+        raise CLIError("--alert-webhook needs alerts on; drop --no-alerts")
+    webhook = WebhookConfig(args.alert_webhook) if args.alert_webhook else None  # ValueError: a bad URL, said early
     _check_redis(args.redis_url)
     consumer = ConsumerConfig(consumer=args.consumer or default_consumer_name(), claim_min_idle_ms=args.claim_idle_ms,
                               claim_interval_s=min(5.0, args.claim_idle_ms / 2000))
@@ -253,13 +273,23 @@ def _sidecar(args: argparse.Namespace) -> int:
     store = Store(args.db_url, auto_upgrade=args.auto_upgrade)
     transport = RedisStreamsTransport(args.redis_url, RedisConfig(prefix=args.prefix))
     publisher = RedisPublisher(args.redis_url, args.prefix)
-    sidecar = Sidecar(cfg, transport, store, REGISTRY[args.policy](k_max=args.k_max, seed=args.seed), publisher)
+    metrics = SidecarMetrics()
+    alert_store: AlertStore | None = None
+    alerts: AlertManager | None = None
+    if args.alerts:
+        alert_store = AlertStore(args.db_url)  # after Store: the schema is at head (or --auto-upgrade made it so)
+        sinks: list[AlertSink] = [RedisStreamSink(args.redis_url, args.prefix), LogSink(),
+                                  PrometheusSink(metrics.registry), *([WebhookSink(webhook)] if webhook else [])]
+        alerts = AlertManager(AlertConfig(), store=alert_store, sinks=sinks)
+    sidecar = Sidecar(cfg, transport, store, REGISTRY[args.policy](k_max=args.k_max, seed=args.seed), publisher,
+                      metrics, alerts=alerts)
     server = OperatorServer(sidecar, args.http_host, args.http_port).start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(f"sidecar {consumer.consumer}: policy {args.policy}, resuming at v{sidecar.version}; "
-          f"operator endpoint {server.url}; consuming {transport.stream} (group sidecar)", flush=True)
+          f"operator endpoint {server.url}; consuming {transport.stream} (group sidecar); alerts "
+          f"{'on' if alerts else 'off'}{' + webhook' if webhook else ''}", flush=True)
     if args.ready_file is not None:
         args.ready_file.write_text(json.dumps({"url": server.url, "pid": os.getpid()}))
     try:
@@ -267,6 +297,10 @@ def _sidecar(args: argparse.Namespace) -> int:
                     on_publish=lambda pv: print(f"published v{pv.table.version}: {pv.table.reason}", flush=True))
     finally:
         server.close()
+        if alerts is not None:
+            alerts.close()  # flushes the registry's counts, stops the webhook's thread
+        if alert_store is not None:
+            alert_store.close()
         transport.close()
         publisher.close()
         store.close()

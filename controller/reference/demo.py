@@ -155,8 +155,13 @@ def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: P
     it (store: ``shadow-<name>.sqlite`` in the run folder), so that every run carries the same telemetry and
     sidecar load on the machine (on two cores an in-process sidecar costs the engine a few percent) and the runs
     differ only in how k is chosen.
+
+    The learned run's sidecar also raises alerts (the model update, any drift) into its store's ``alerts`` table
+    and, with Redis, the ``{prefix}:alerts`` stream; the report lists them (:attr:`Sidecar.recent_alerts`).
     """
+    from controller.service.alerts import AlertConfig, AlertManager, AlertSink, RedisStreamSink
     from policies import REGISTRY
+    from telemetry.alerts_store import AlertStore
 
     m = eng.models
     tag = "" if decide is None else "-" + "-".join("".join(c if c.isalnum() else " " for c in name).split())
@@ -179,10 +184,15 @@ def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: P
         transport = InProcessTransport()
         hooks = build_engine_hooks(client_cfg, emitter_cfg, transport)
         publisher = CallbackPublisher(hooks.client.apply)
+    alert_store = AlertStore(url) if decide is None else None
+    alerts = None
+    if alert_store is not None:
+        sinks: list[AlertSink] = [RedisStreamSink(cfg.redis_url, prefix)] if cfg.redis_url is not None else []
+        alerts = AlertManager(AlertConfig(seed=cfg.seed), store=alert_store, sinks=sinks)
     sidecar = Sidecar(
         SidecarConfig(publish_every_windows=6, publish_every_s=0.5, warm_start_windows=0,
                       consumer=ConsumerConfig(consumer="demo", block_ms=50)),
-        transport, store, REGISTRY["goodput"](k_max=cfg.k_max, seed=cfg.seed), publisher)
+        transport, store, REGISTRY["goodput"](k_max=cfg.k_max, seed=cfg.seed), publisher, alerts=alerts)
     on_sidecar(sidecar)
     sidecar.start()
     try:
@@ -192,6 +202,10 @@ def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: P
         sidecar.stop()
     sidecar.drain()
     log.history = list(sidecar.history)
+    if alerts is not None:
+        alerts.close()
+    if alert_store is not None:
+        alert_store.close()
     store.close()
     return log, sidecar
 

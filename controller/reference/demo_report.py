@@ -82,6 +82,18 @@ def speculation_events(log: RunLog, phases: Sequence[Phase]) -> list[str]:
     return events
 
 
+def alert_rows(sidecar: Sidecar, started_at: float) -> list[list[str]]:
+    """The alerts the learned run's sidecar raised: time into the workload (detection), kind, bucket, versions."""
+    rows = []
+    for a in sidecar.recent_alerts:
+        versions = f"{a.target_version} / {a.draft_version}"
+        if a.previous_target_version is not None:
+            versions = f"{a.previous_target_version} / {a.previous_draft_version} -> {versions}"
+        rows.append([f"{a.detected_at - started_at:.1f}s", a.kind, a.bucket + ("" if a.k is None else f" k={a.k}"),
+                     versions])
+    return rows
+
+
 def k_table(sidecar: Sidecar) -> tuple[list[str], list[list[str]]]:
     """The final learned table as (version, type, context) rows x batch-bucket columns."""
     cur = sidecar.current
@@ -210,6 +222,7 @@ def write_report(run_dir: Path, static_k: int, phases: Sequence[Phase], logs: Se
     k_header, k_rows = k_table(sidecar)
     events = speculation_events(logs[0], phases)
     best_rows = [[t, str(b), c, str(k), f"{g:.0f}"] for (t, b, c), (k, g) in sorted(best.items())]
+    alerts = alert_rows(sidecar, logs[0].started_at)
     h = sidecar.health()
 
     for title, header, rows in (
@@ -231,6 +244,9 @@ def write_report(run_dir: Path, static_k: int, phases: Sequence[Phase], logs: Se
             console.print(f"  ... {len(events) - MAX_EVENTS_SHOWN} more in summary.md")
     else:
         console.print("The learned policy never switched speculation off for a bucket in this run.")
+    console.print(f"Alerts raised in the learned run: {len(alerts)}"
+                  + "".join(f"\n  t={t} {kind} {bucket} ({v})" for t, kind, bucket, v in alerts[:MAX_EVENTS_SHOWN]),
+                  markup=False, overflow="ignore", crop=False)
     console.print(f"Sidecar: {h['windows_ingested']} window batches, {sidecar.version} policy versions, "
                   f"{sum(h['rejected'].values())} rejected records.")
 
@@ -257,6 +273,9 @@ def write_report(run_dir: Path, static_k: int, phases: Sequence[Phase], logs: Se
         "## k chosen per bucket", "", _md_table(k_header, k_rows) if k_rows else "(no table published)", "",
         "![chosen k](chosen_k.png)", "",
         "## Speculation turned off / on", "", *(f"- {e}" for e in events), "" if events else "- never", "",
+        "## Alerts", "",
+        "Raised by the learned run's sidecar (time of detection, seconds into the workload).", "",
+        _md_table(["t", "kind", "bucket", "versions"], alerts) if alerts else "(none)", "",
         "## Best k per cell found in the runs before it (the hindsight table)", "",
         _md_table(["target", "batch bucket", "context", "k", "tok/s"], best_rows), "",
         "## Policy versions", "",

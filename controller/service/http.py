@@ -9,6 +9,8 @@
 ``DELETE /pins/{bucket}``  remove the pin on a (URL-encoded) bucket key
 ``GET /metrics``           Prometheus exposition of this sidecar's registry
 ``GET /deadletter``        the newest rejected entries with their reasons (``?limit=N``, default 50)
+``GET /alerts``            the newest drift alerts and model updates, newest first (``?limit=N``, default 50;
+                           ``unacked=1``: only those no operator acked; ``kind=acceptance_drift``...)
 =========================  ===========================================================================
 
 Bad input gets ``400`` with ``{"error": ..., "reason": ...}`` and is counted in
@@ -41,6 +43,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from controller.service.sidecar import Sidecar
+from telemetry.alerts import ALERT_KINDS, alert_to_json
 from telemetry.errors import SpectuneError
 from telemetry.records import RecordError
 from telemetry.wire import parse_bucket_key
@@ -175,9 +178,31 @@ class _Handler(BaseHTTPRequestHandler):
                  "payload_preview": d.payload[:PAYLOAD_PREVIEW].decode(errors="replace")}
                 for d in sc.transport.recent_dead_letters(limit)
             ])
-        known = ("/health", "/policy", "/policy/history", "/pins", "/metrics", "/deadletter")
+        if method == "GET" and path == "/alerts":
+            return self._alerts(query)
+        known = ("/health", "/policy", "/policy/history", "/pins", "/metrics", "/deadletter", "/alerts")
         return self._json(404, {"error": f"no route {method} {path}; try one of {', '.join(known)}",
                                 "reason": "not_found"})
+
+    def _alerts(self, query: dict[str, list[str]]) -> None:
+        """``GET /alerts``: from the ``alerts`` table, or the ones this sidecar raised when it keeps none."""
+        sc = self.server.sidecar
+        limit = _limit(query, 50)
+        unacked = query.get("unacked", ["0"])[0]
+        if unacked not in ("0", "1"):
+            raise BadRequest("bad_unacked", f"unacked must be 0 or 1, got {unacked[:50]!r}")
+        kind = query["kind"][0] if "kind" in query else None
+        if kind is not None and kind not in ALERT_KINDS:
+            raise BadRequest("bad_kind", f"kind must be one of {', '.join(ALERT_KINDS)}, got {kind[:50]!r}")
+        if sc.alerts is None:
+            return self._json(404, {"error": "alerts are off on this sidecar; start it with --alerts",
+                                    "reason": "alerts_off"})
+        store = sc.alerts.store
+        if store is not None:
+            found = store.list_alerts(limit, unacked_only=unacked == "1", kind=kind)
+        else:  # kept in memory only: none can have been acked
+            found = [a for a in reversed(sc.recent_alerts) if kind is None or a.kind == kind][:limit]
+        return self._json(200, [alert_to_json(a) for a in found])
 
     def _pin(self) -> None:
         sc = self.server.sidecar

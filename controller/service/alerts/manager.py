@@ -129,6 +129,11 @@ class AlertManager:
         self._levels: dict[int, tuple[float, ...]] = {}  # k -> (0/k, 1/k, ..., k/k), shared float objects
         self.stats: Counter[str] = Counter()  # raised_<kind>, suppressed_*, skipped_<reason>, failures
 
+    @property
+    def store(self) -> AlertStore | None:
+        """The ``alerts`` table this manager writes (None: alerts kept in memory only); ``GET /alerts`` reads it."""
+        return self._store
+
     # ----------------------------------------------------------------------------------------- entry points
     def observe_batch(self, batch: WindowBatch) -> list[Alert]:
         """Everything in one new batch: its model versions, then each acceptance and cost window."""
