@@ -17,6 +17,7 @@ Conventions (the vocabulary of ``telemetry/records.py``):
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,32 @@ class Parsed:
     notes: tuple[str, ...] = ()  # flags worth a warning (e.g. ``mixed_draft_lengths``), counted in the summary
     totals: dict[str, float] = field(default_factory=dict)  # drafts / draft_tokens / accepted, stored or not
     observation: dict[str, Any] | None = None  # what the record said that has no window (gauges, latency)
+
+
+def load_json(line: str) -> Any:
+    """The JSON value of one line of a JSON-lines source.
+
+    Raises:
+        SourceError: ``bad_json`` when the line is not JSON.
+    """
+    try:
+        return json.loads(line)
+    except ValueError as e:
+        raise SourceError("bad_json", f"not JSON: {e}") from None
+
+
+def load_json_object(line: str) -> dict[str, Any] | None:
+    """The JSON object of one line of a JSON-lines source; None for a blank line (no record).
+
+    Raises:
+        SourceError: ``bad_json`` when the line is not JSON or not an object.
+    """
+    if not line.strip():
+        return None
+    obj = load_json(line)
+    if not isinstance(obj, dict):
+        raise SourceError("bad_json", "a line must be a JSON object")
+    return obj
 
 
 def stable_seq(*parts: object) -> int:
@@ -146,9 +173,13 @@ def acceptance_window(labels: SourceLabels, context_bucket: str, hist: list[int]
     )
 
 
-def context_bucket_of(buckets: BucketConfig, start: Any, end: Any) -> str:
-    """The context bucket of a request whose context grew from ``start`` to ``end`` tokens, when both ends fall
-    in one bucket; :data:`UNKNOWN` otherwise (which bucket its rounds were in is not recorded)."""
+def context_bucket_of(buckets: BucketConfig, prompt_tokens: Any, completion_tokens: Any) -> str:
+    """The context bucket of a request whose context grew from ``prompt_tokens`` to ``prompt_tokens +
+    completion_tokens``, when both ends fall in one bucket; :data:`UNKNOWN` otherwise (which bucket its rounds
+    were in is not recorded), and when either count is missing or not an integer."""
+    start = prompt_tokens
+    end = (prompt_tokens + completion_tokens
+           if isinstance(prompt_tokens, int) and isinstance(completion_tokens, int) else None)
     if isinstance(start, int) and isinstance(end, int) and not isinstance(start, bool) and 0 <= start <= end:
         a, b = buckets.context_bucket(start), buckets.context_bucket(end)
         if a == b:

@@ -21,7 +21,6 @@ interval without a count of steps, so no window can be made from them (rows unkn
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,6 +32,7 @@ from controller.offline.sources.common import (
     acceptance_window,
     as_int,
     context_bucket_of,
+    load_json_object,
 )
 
 GAUGES = ("sglang:spec_accept_length", "sglang:spec_accept_rate", "sglang:num_running_reqs")
@@ -55,14 +55,9 @@ def parse_line(line: str, labels: SourceLabels) -> Parsed | None:
     Raises:
         SourceError: the line is not JSON, lacks the spec counters, or they contradict each other.
     """
-    if not line.strip():
+    obj = load_json_object(line)
+    if obj is None:
         return None
-    try:
-        obj = json.loads(line)
-    except ValueError as e:
-        raise SourceError("bad_json", f"not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise SourceError("bad_json", "a line must be a JSON object")
     meta = _meta(obj)
     if "spec_verify_ct" not in meta:
         raise SourceError("missing_field", "no spec_verify_ct in meta_info (is speculative decoding on?)")
@@ -97,9 +92,7 @@ def parse_line(line: str, labels: SourceLabels) -> Parsed | None:
                           detail=f"steps accepted more than the mean draft length {k}: several draft lengths")
         hist = hist[: k + 1]
     hist += [0] * (k + 1 - len(hist))  # the histogram grows as counts arrive; absent bins are zero
-    prompt, completion = meta.get("prompt_tokens"), meta.get("completion_tokens")
-    end = prompt + completion if isinstance(prompt, int) and isinstance(completion, int) else None
-    ctx = context_bucket_of(labels.buckets, prompt, end)
+    ctx = context_bucket_of(labels.buckets, meta.get("prompt_tokens"), meta.get("completion_tokens"))
     return Parsed(acceptance=(acceptance_window(labels, ctx, hist),), totals=totals)
 
 

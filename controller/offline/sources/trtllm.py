@@ -34,6 +34,7 @@ from controller.offline.sources.common import (
     acceptance_window,
     as_float,
     as_int,
+    load_json,
 )
 from telemetry.records import MAX_DRAFT_LEN, CostWindow, Stat
 
@@ -49,10 +50,7 @@ def parse_line(line: str, labels: SourceLabels) -> list[Parsed] | None:
     """
     if not line.strip():
         return None
-    try:
-        obj = json.loads(line)
-    except ValueError as e:
-        raise SourceError("bad_json", f"not JSON: {e}") from None
+    obj = load_json(line)
     items = obj if isinstance(obj, list) else [obj]
     out = []
     for it in items:

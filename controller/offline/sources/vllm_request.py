@@ -17,7 +17,6 @@ bucket.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from controller.offline.sources.common import (
@@ -27,6 +26,7 @@ from controller.offline.sources.common import (
     acceptance_window,
     as_int,
     context_bucket_of,
+    load_json_object,
 )
 from telemetry.records import AcceptanceWindow
 
@@ -37,14 +37,9 @@ def parse_line(line: str, labels: SourceLabels) -> Parsed | None:
     Raises:
         SourceError: the line is not JSON or its ``speculative_decoding`` object breaks vLLM's invariants.
     """
-    if not line.strip():
+    obj = load_json_object(line)
+    if obj is None:
         return None
-    try:
-        obj = json.loads(line)
-    except ValueError as e:
-        raise SourceError("bad_json", f"not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise SourceError("bad_json", "a line must be a JSON object")
     metrics = obj.get("metrics")
     sd = metrics.get("speculative_decoding") if isinstance(metrics, dict) else obj.get("speculative_decoding", obj)
     if not isinstance(sd, dict) or "acceptance_histogram" not in sd:
@@ -65,9 +60,7 @@ def parse_line(line: str, labels: SourceLabels) -> Parsed | None:
                                                  f"accepted {accepted} > drafted {drafted}")
     raw_usage = obj.get("usage")
     usage: dict[str, Any] = raw_usage if isinstance(raw_usage, dict) else {}
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    ctx = context_bucket_of(labels.buckets, prompt, prompt + completion
-                            if isinstance(prompt, int) and isinstance(completion, int) else None)
+    ctx = context_bucket_of(labels.buckets, usage.get("prompt_tokens"), usage.get("completion_tokens"))
     totals = {"drafts": float(steps), "draft_tokens": float(drafted), "accepted": float(accepted)}
     if steps == 0:
         return Parsed(skipped="idle", detail="no spec steps in this request", totals=totals)
