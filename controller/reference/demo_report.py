@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 BIN_S = 1.0  # plot resolution in seconds (the workload's own time)
 MAX_EVENTS_SHOWN = 12
+PLOT_SIZE = (9, 3.6)  # inches: wide enough for a run's phases to be read apart
+PLOT_DPI = 110  # a readable PNG in summary.md without a large file
 
 
 def _bins(t_end: float, scale: float) -> float:
@@ -148,50 +150,42 @@ def _plots(run_dir: Path, phases: Sequence[Phase], logs: Sequence[RunLog], updat
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(den > 0, num / np.maximum(den, 1e-12), np.nan)
 
-    files = []
-    fig, ax = plt.subplots(figsize=(9, 3.6))
+    files: list[str] = []
+
+    def save(fig: Any, ax: Any, name: str, **labels: Any) -> None:
+        """Shade the phases, label the axes, and write the figure into ``run_dir`` as ``name``."""
+        shade(ax)
+        ax.set(xlabel="seconds into the workload", **labels)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(run_dir / name, dpi=PLOT_DPI)
+        plt.close(fig)
+        files.append(name)
+
+    fig, ax = plt.subplots(figsize=PLOT_SIZE)
     for log in logs:
         if log.rounds:
             ax.plot(mids, binned([r.t for r in log.rounds], [r.emitted for r in log.rounds]) / step,
                     label=log.name)
-    shade(ax)
-    ax.set(xlabel="seconds into the workload", ylabel="tokens / s", title="Throughput, same workload per run")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(run_dir / "throughput.png", dpi=110)
-    plt.close(fig)
-    files.append("throughput.png")
+    save(fig, ax, "throughput.png", ylabel="tokens / s", title="Throughput, same workload per run")
 
     learned = logs[0]
-    fig, ax = plt.subplots(figsize=(9, 3.6))
+    fig, ax = plt.subplots(figsize=PLOT_SIZE)
     for rt in REQUEST_TYPES:
         sel = [r for r in learned.rows if r.request_type == rt and r.k > 0]
         if sel:
             ax.plot(mids, binned([r.t for r in sel], [r.accepted for r in sel], [r.k for r in sel]), ".-", ms=4,
                     label=rt)
-    shade(ax)
-    ax.set(xlabel="seconds into the workload", ylabel="accepted / drafted", ylim=(0, 1),
-           title="Acceptance rate per request type (learned run; dashed line: model update)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(run_dir / "acceptance.png", dpi=110)
-    plt.close(fig)
-    files.append("acceptance.png")
+    save(fig, ax, "acceptance.png", ylabel="accepted / drafted", ylim=(0, 1),
+         title="Acceptance rate per request type (learned run; dashed line: model update)")
 
-    fig, ax = plt.subplots(figsize=(9, 3.6))
+    fig, ax = plt.subplots(figsize=PLOT_SIZE)
     for rt in REQUEST_TYPES:
         sel = [r for r in learned.rows if r.request_type == rt]
         if sel:
             ax.plot(mids, binned([r.t for r in sel], [r.k for r in sel], [1.0] * len(sel)), ".-", ms=4, label=rt)
     ax.axhline(static_k, color="0.5", ls=":", label=f"static k={static_k}")
-    shade(ax)
-    ax.set(xlabel="seconds into the workload", ylabel="mean k per row (0 = off)",
-           title="k chosen by the learned policy")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(run_dir / "chosen_k.png", dpi=110)
-    plt.close(fig)
-    files.append("chosen_k.png")
+    save(fig, ax, "chosen_k.png", ylabel="mean k per row (0 = off)", title="k chosen by the learned policy")
     return files
 
 
