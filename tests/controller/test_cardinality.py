@@ -4,17 +4,18 @@ and every bucket was decided again on every publish."""
 
 from __future__ import annotations
 
+from synthetic_feed import feed
+
 from controller.service.publish import RedisPublisher
 from controller.service.sidecar import Sidecar, SidecarConfig
 from policies.base import Decision
 from policies.goodput import GoodputPolicy
 from telemetry.cardinality import TOO_MANY_REQUEST_TYPES, CardinalityLimits
-from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.ingest import ConsumerConfig
 from telemetry.records import AcceptanceWindow, Bucket, CostWindow, Stat, WindowBatch
 from telemetry.store import Store
-from telemetry.synthetic import DEFAULT_ALPHA, synthetic_rounds
-from telemetry.transport import RedisConfig, RedisStreamsTransport, Transport
+from telemetry.synthetic import DEFAULT_ALPHA
+from telemetry.transport import RedisConfig, RedisStreamsTransport
 from telemetry.wire import decode_batch, encode_batch
 
 FAST = ConsumerConfig(consumer="c1", block_ms=10, claim_min_idle_ms=0, claim_interval_s=0.0, backoff_s=0.01)
@@ -30,15 +31,6 @@ class Counting(GoodputPolicy):
     def decide(self, bucket: Bucket, explore: bool = True) -> Decision:
         self.decides += 1
         return super().decide(bucket, explore)
-
-
-def feed(t: Transport, n: int, seed: int, engine: str = "e1") -> None:
-    em = Emitter(t, EmitterConfig(engine), start=False)
-    for i, r in enumerate(synthetic_rounds(n, seed=seed)):
-        em.record(r)
-        if i % 40 == 39:
-            em.flush()
-    em.flush()
 
 
 def forged_batch(seq: int) -> WindowBatch:
@@ -101,7 +93,7 @@ def test_a_flood_of_request_types_is_capped_dead_lettered_and_counted(redis_url:
         assert pol.decides == 0 and sc.current == before  # ... yet a quiet publish decides none of them
 
         # Legitimate traffic keeps working: its active cells are decided, and their number bounds the work.
-        feed(t, 10, seed=1, engine="e2")
+        feed(t, 10, "e2", seed=1)
         sc.drain()
         pol.decides = 0
         sc.publish_now("learned")

@@ -17,11 +17,11 @@ from unittest import mock
 
 import pytest
 import redis
+from synthetic_feed import feed
 
 from controller.service.publish import RedisPublisher
 from controller.service.sidecar import Sidecar, SidecarConfig
 from policies import REGISTRY
-from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.errors import StoreError
 from telemetry.ingest import STORE_REJECTED, Consumer, ConsumerConfig
 from telemetry.policy_table import table_to_json
@@ -37,16 +37,6 @@ FAST = ConsumerConfig(consumer="c1", block_ms=10, claim_min_idle_ms=0, claim_int
 def make(transport: Transport, store: Store, publisher: RedisPublisher, **cfg: object) -> Sidecar:
     return Sidecar(SidecarConfig(consumer=FAST, **cfg), transport, store,  # type: ignore[arg-type]
                    REGISTRY["goodput"](k_max=8), publisher)
-
-
-def feed(transport: Transport, n_rounds: int, engine_id: str = "e1", per_window: int = 40) -> int:
-    em = Emitter(transport, EmitterConfig(engine_id), start=False)
-    for i, r in enumerate(synthetic_rounds(n_rounds, seed=0)):
-        em.record(r)
-        if i % per_window == per_window - 1:
-            em.flush()
-    em.flush()
-    return em.stats().windows_sent
 
 
 # ------------------------------------------------------------------------------------- own redis-server

@@ -5,16 +5,15 @@ from __future__ import annotations
 import time
 
 import redis
+from synthetic_feed import feed
 
 from controller.client import ClientConfig, PolicyClient
 from controller.service.publish import CallbackPublisher, RedisPublisher
 from controller.service.sidecar import Sidecar, SidecarConfig, apply_pins
 from policies import REGISTRY
-from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.ingest import ConsumerConfig
 from telemetry.records import PolicyTable
 from telemetry.store import Pin, Store
-from telemetry.synthetic import synthetic_rounds
 from telemetry.transport import InProcessTransport, RedisConfig, RedisStreamsTransport, Transport
 
 FAST = ConsumerConfig(consumer="c1", block_ms=10, claim_min_idle_ms=0, claim_interval_s=0.0)
@@ -24,16 +23,6 @@ def make(transport: Transport, store: Store, publisher=None, consumer: ConsumerC
          **cfg) -> Sidecar:
     return Sidecar(SidecarConfig(consumer=consumer, **cfg), transport, store, REGISTRY["goodput"](k_max=8),
                    publisher or CallbackPublisher())
-
-
-def feed(transport: Transport, n_rounds: int, engine_id: str = "e1", seed: int = 0, per_window: int = 40) -> int:
-    em = Emitter(transport, EmitterConfig(engine_id), start=False)
-    for i, r in enumerate(synthetic_rounds(n_rounds, seed=seed)):
-        em.record(r)
-        if i % per_window == per_window - 1:
-            em.flush()
-    em.flush()
-    return em.stats().windows_sent
 
 
 def test_learns_publishes_and_stores_every_version(sqlite_url: str) -> None:
@@ -204,7 +193,6 @@ def test_buckets_without_traffic_are_not_explored(sqlite_url: str) -> None:
     from policies.base import Decision
     from policies.goodput import GoodputPolicy
     from telemetry.records import Bucket
-    from telemetry.synthetic import SyntheticConfig
 
     class Recording(GoodputPolicy):
         def __init__(self) -> None:
@@ -215,20 +203,12 @@ def test_buckets_without_traffic_are_not_explored(sqlite_url: str) -> None:
             self.calls.append((bucket.target_version, explore))
             return super().decide(bucket, explore)
 
-    def feed_version(t: Transport, n: int, version: str, seed: int) -> None:
-        em = Emitter(t, EmitterConfig("e1"), start=False)
-        for i, r in enumerate(synthetic_rounds(n, seed=seed, config=SyntheticConfig(target_version=version))):
-            em.record(r)
-            if i % 40 == 39:
-                em.flush()
-        em.flush()
-
     t = InProcessTransport()
     pol = Recording()
     with Store(sqlite_url, auto_upgrade=True) as store:
         sc = Sidecar(SidecarConfig(consumer=FAST, publish_every_windows=8, explore_active_decisions=2), t, store,
                      pol, CallbackPublisher())
-        feed_version(t, 600, "target-v1", seed=0)
+        feed(t, 600, target_version="target-v1", seed=0)
         sc.drain()
         sc.publish_now("learned")
         assert any(v == "target-v1" and e for v, e in pol.calls)  # v1 explored while it had traffic
@@ -236,7 +216,7 @@ def test_buckets_without_traffic_are_not_explored(sqlite_url: str) -> None:
         quiet: dict[str, int] | None = None
         calls_quiet = 0
         for i in range(8):  # the update: v2 traffic only, a decision after each burst
-            feed_version(t, 200, "target-v2", seed=10 + i)
+            feed(t, 200, target_version="target-v2", seed=10 + i)
             sc.drain()
             sc.publish_now("learned")
             assert sc.current is not None

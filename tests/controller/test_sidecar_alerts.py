@@ -17,6 +17,7 @@ from unittest import mock
 
 import pytest
 import redis
+from synthetic_feed import feed
 from test_http import call
 
 from controller.service.alerts import AlertConfig, AlertManager, PrometheusSink, RedisStreamSink
@@ -27,23 +28,12 @@ from controller.service.sidecar import Sidecar, SidecarConfig
 from policies import REGISTRY
 from telemetry.alerts import ACCEPTANCE_DRIFT, MODEL_UPDATE, Alert
 from telemetry.alerts_store import AlertStore
-from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.ingest import ConsumerConfig
 from telemetry.store import Store
-from telemetry.synthetic import SyntheticConfig, synthetic_rounds
 from telemetry.transport import InProcessTransport, RedisKeys
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ConsumerConfig(consumer="c1", block_ms=10, claim_min_idle_ms=0, claim_interval_s=0.0)
-
-
-def feed(t: InProcessTransport, n: int, target: str, seed: int = 0) -> None:
-    em = Emitter(t, EmitterConfig("e1"), start=False)
-    for i, r in enumerate(synthetic_rounds(n, seed=seed, config=SyntheticConfig(target_version=target))):
-        em.record(r)
-        if i % 40 == 39:
-            em.flush()
-    em.flush()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -73,11 +63,11 @@ def test_a_second_target_version_raises_stores_streams_and_serves_a_model_update
     srv, sc, alert_store = served
     t = sc.transport
     assert isinstance(t, InProcessTransport)
-    feed(t, 200, "target-v1")
+    feed(t, 200, target_version="target-v1")
     sc.drain()
     assert sc.recent_alerts == []  # the first pair is the starting point, not an update
     assert call(srv, "GET", "/alerts")[1] == []
-    feed(t, 200, "target-v2", seed=1)
+    feed(t, 200, target_version="target-v2", seed=1)
     sc.drain()
     assert [a.kind for a in sc.recent_alerts] == [MODEL_UPDATE]
     stored = alert_store.list_alerts(10)
@@ -126,8 +116,8 @@ def test_a_sidecar_without_alerts_still_learns_and_says_alerts_are_off(sqlite_ur
         sc = Sidecar(SidecarConfig(consumer=FAST), t, store, REGISTRY["goodput"](k_max=8), CallbackPublisher())
         srv = OperatorServer(sc).start()
         try:
-            feed(t, 200, "target-v1")
-            feed(t, 200, "target-v2", seed=1)
+            feed(t, 200, target_version="target-v1")
+            feed(t, 200, target_version="target-v2", seed=1)
             sc.drain()
             sc.publish_now("test")
             assert sc.version >= 1 and sc.recent_alerts == [] and sc.health()["alerts"] is None
@@ -152,7 +142,7 @@ def test_an_acceptance_drift_reopens_its_bucket_and_alert_failures_are_counted(s
         policy = REGISTRY["goodput"](k_max=8)
         sc = Sidecar(SidecarConfig(consumer=FAST), t, store, policy, CallbackPublisher(), alerts=mgr)
         with mock.patch.object(policy, "reopen", wraps=policy.reopen) as reopen:
-            feed(t, 200, "target-v1")
+            feed(t, 200, target_version="target-v1")
             sent = sc.drain()
         reopen.assert_called_once_with("target-v1", "draft-v1", "code", "<=512")
         assert mgr.observe_batch.call_count == sent == sc.windows_ingested  # every new batch, after the failure too
