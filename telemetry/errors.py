@@ -2,11 +2,20 @@
 
 Every error spectune raises at a boundary (network input, database, configuration) derives from
 :class:`SpectuneError`, so a caller can catch the whole family, and each message says what to do next.
-Record validation errors are :class:`telemetry.records.RecordError` (a ``ValueError`` with a countable
-``reason``), defined beside the records they validate.
+Record validation errors are :class:`telemetry.records.RecordError` (a :class:`CountableError`), defined beside
+the records they validate; the offline parsers' :class:`controller.offline.sources.common.SourceError` is the other.
 """
 
 from __future__ import annotations
+
+
+class CountableError(ValueError):
+    """Input refused with a short, countable ``reason`` label (rejects are counted by it) and a ``detail``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
 
 
 class SpectuneError(Exception):

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from telemetry.errors import CountableError
+
 SCHEMA_VERSION = 1  # bump when a travelling record changes shape; receivers reject unknown versions
 MAX_DRAFT_LEN = 16  # verify cost grows with k + 1; no useful policy drafts further on any engine we know
 MAX_ENCODED_BYTES = 1 << 20  # size cap of one encoded window batch; larger payloads are rejected unread
@@ -38,13 +40,8 @@ DEFAULT_BATCH_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two, as en
 DEFAULT_CONTEXT_EDGES = (512, 2048, 8192)  # <=512, <=2k, <=8k, >8k
 
 
-class RecordError(ValueError):
+class RecordError(CountableError):
     """A record failed validation. ``reason`` is a short, countable label (e.g. ``accepted_gt_drafted``)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 # --------------------------------------------------------------------------------------------------- buckets

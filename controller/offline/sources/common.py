@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.offline._compat import check_label
+from telemetry.errors import CountableError
 from telemetry.records import (
     DEFAULT_BUCKETS,
     MAX_DRAFT_LEN,
@@ -34,13 +35,8 @@ UNKNOWN = "unknown"  # the label of what a source cannot know (request type, con
 SEQ_MASK = (1 << 63) - 1  # window batch seqs are stored as BIGINT
 
 
-class SourceError(ValueError):
+class SourceError(CountableError):
     """A record that is not in the format it claims to be. ``reason`` is a short, countable label."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)
