@@ -402,11 +402,14 @@ def _print_table(table: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from telemetry.records import WILDCARD
+    from telemetry.wire import parse_bucket_key
+
     t = Table(title=f"policy v{table['version']} (default k={table['default_k']}): {table.get('reason', '')}")
     for col in ("target", "draft", "request type", "batch", "context", "k"):
         t.add_column(col)
     for key, k in sorted(table["entries"].items()):
-        t.add_row(*key.split("|"), str(k))
+        t.add_row(*(WILDCARD if p is None else str(p) for p in parse_bucket_key(key)), str(k))
     Console().print(t)
 
 

@@ -115,7 +115,7 @@ def _ingest(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from controller.offline import export as ex
     from controller.offline import project as pj
-    from controller.offline._compat import policy_table_from_json
+    from telemetry.policy_table import policy_table_from_json
     from telemetry.records import DEFAULT_BUCKETS
     from telemetry.store import Store
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from controller.offline._compat import check_label
 from controller.offline.sources import sglang, trtllm, vllm_log, vllm_prom, vllm_request
 from controller.offline.sources.common import UNKNOWN, Parsed, SourceError, SourceLabels, stable_seq
 from telemetry.errors import SpectuneError, StoreError
 from telemetry.records import MAX_NAME_LEN, WindowBatch
 from telemetry.store import Store
+from telemetry.wire import check_label
 
 LINE_SOURCES = ("vllm-log", "vllm-request", "sglang", "trtllm")  # one record per line
 SCRAPE_SOURCES = ("vllm-prom", "sglang-prom")  # Prometheus text, one scrape at a time

@@ -26,9 +26,10 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from controller.offline._compat import lookup
 from policies.analytic import speedup
+from telemetry.policy_table import lookup
 from telemetry.records import DEFAULT_BUCKETS, WILDCARD, AcceptanceWindow, Bucket, CostWindow, PolicyTable
+from telemetry.wire import parse_bucket_key
 
 PRIOR_ALPHA = 0.6  # the acceptance prior of policies' AcceptanceModel
 PRIOR_DRAFT_COST = 0.1  # one draft step per verify forward, as policies._cost's PRIOR_DRAFT_PER_K
@@ -154,19 +155,20 @@ def _versions(acc: Sequence[AcceptanceWindow], cost: Sequence[CostWindow], table
         seen[(c.target_version, c.draft_version)] += c.batch_rows
     if not seen:
         for key in table.entries:
-            t, d = key.split("|")[:2]
+            t, d, *_ = parse_bucket_key(key)
             if WILDCARD not in (t, d):
                 seen[(t, d)] += 1
     return seen.most_common(1)[0][0] if seen else (WILDCARD, WILDCARD)
 
 
 def _table_batches(table: PolicyTable) -> set[int]:
-    return {int(p) for key in table.entries if (p := key.split("|")[3]) != WILDCARD}
+    return {p for key in table.entries if (p := parse_bucket_key(key)[3]) is not None}
 
 
 def _table_cells(table: PolicyTable) -> list[Cell]:
-    types = sorted({key.split("|")[2] for key in table.entries} - {WILDCARD}) or [WILDCARD]
-    ctxs = sorted({key.split("|")[4] for key in table.entries} - {WILDCARD}) or [WILDCARD]
+    parts = [parse_bucket_key(key) for key in table.entries]
+    types = sorted({p[2] for p in parts} - {WILDCARD}) or [WILDCARD]
+    ctxs = sorted({p[4] for p in parts} - {WILDCARD}) or [WILDCARD]
     return [(t, c) for t in types for c in ctxs]
 
 

@@ -37,12 +37,13 @@ from typing import Any
 import numpy as np
 
 from bench.simulator import Calibration, WindowSpec, _pmf_from_cond, expected_round, simulate
-from controller.offline._compat import lookup
 from policies._cost import CostModel
 from policies.base import Decision, Policy, context_len_of
 from telemetry.errors import SpectuneError
+from telemetry.policy_table import lookup
 from telemetry.records import DEFAULT_BUCKETS, AcceptanceWindow, Bucket, CostWindow, PolicyTable
 from telemetry.store import StoredWindow
+from telemetry.wire import parse_bucket_key
 
 PRIOR_ALPHA = 0.6  # acceptance of a position nothing measured (the policies' AcceptanceModel prior)
 P99 = 0.99
@@ -384,7 +385,7 @@ class Replay:
         res = simulate(policy, self.cal, self.load.specs, window_s=self.window_s, seed=seed, noise=noise)
         chosen = []
         for ks in res.ks:
-            by_type = {key.split("|")[2]: k for key, k in ks.items()}
+            by_type = {parse_bucket_key(key)[2]: k for key, k in ks.items()}
             chosen.append(tuple(by_type.get(rt, 0) for rt in self.load.types))
         return Score(res.tok_s, self._score(chosen).p99_s)
 

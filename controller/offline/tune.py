@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from controller.offline._compat import lookup, policy_table_from_json, table_to_json
 from controller.offline.replay import (
     Replay,
     ReplayError,
@@ -43,6 +42,7 @@ from controller.offline.replay import (
 )
 from engine.profiles import PROFILE_NAMES
 from telemetry.errors import SpectuneError
+from telemetry.policy_table import lookup, policy_table_from_json, table_to_json
 from telemetry.records import MAX_DRAFT_LEN, WILDCARD, Bucket, PolicyTable, RecordError
 from telemetry.store import DEFAULT_DB_URL
 from telemetry.urls import redact_url

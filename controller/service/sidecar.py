@@ -115,21 +115,35 @@ class _Seen:
     context: set[str] = field(default_factory=set)
 
 
+BucketParts = tuple[str, str, str, int | None, str]  # parse_bucket_key's answer
+
+
 def pin_matches(pin_key: str, bucket_key: str) -> bool:
     """True when every part of the pin equals the bucket's or is ``*``."""
-    return all(p in (WILDCARD, b) for p, b in zip(pin_key.split("|"), bucket_key.split("|"), strict=True))
+    return _parts_match(parse_bucket_key(pin_key), parse_bucket_key(bucket_key))
+
+
+def _parts_match(pin: BucketParts, bucket: BucketParts) -> bool:
+    return all(p in (WILDCARD, None, b) for p, b in zip(pin, bucket, strict=True))
+
+
+def _specificity(pin: BucketParts) -> int:
+    """Parts of a pin that are not ``*``: a more specific pin wins."""
+    return sum(p not in (WILDCARD, None) for p in pin)
 
 
 def apply_pins(entries: dict[str, int], pins: Iterable[Pin]) -> dict[str, int]:
     """Pins override the policy: each entry takes the k of the most specific matching pin (newest on a tie);
     each pin's own key is added so buckets the table does not list fall back to it."""
     pins = list(pins)
+    pin_parts = [parse_bucket_key(p.bucket_key) for p in pins]
     out = dict(entries)
     for key in entries:
+        parts = parse_bucket_key(key)
         best: tuple[int, int] | None = None
-        for i, p in enumerate(pins):
-            if pin_matches(p.bucket_key, key):
-                rank = (sum(part != WILDCARD for part in p.bucket_key.split("|")), i)
+        for i, (p, pp) in enumerate(zip(pins, pin_parts, strict=True)):
+            if _parts_match(pp, parts):
+                rank = (_specificity(pp), i)
                 if best is None or rank > best:
                     best = rank
                     out[key] = p.k

@@ -12,7 +12,7 @@ import pytest
 from controller.cli import main as spectune
 from controller.offline import export as ex
 from controller.offline import project as pj
-from controller.offline._compat import table_to_json
+from telemetry.policy_table import table_to_json
 from telemetry.records import AcceptanceWindow, CostWindow, PolicyTable, Stat, WindowBatch
 from telemetry.store import Store
 

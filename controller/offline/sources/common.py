@@ -21,7 +21,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.offline._compat import check_label
 from telemetry.errors import CountableError
 from telemetry.records import (
     DEFAULT_BUCKETS,
@@ -30,6 +29,7 @@ from telemetry.records import (
     BucketConfig,
     CostWindow,
 )
+from telemetry.wire import check_label
 
 UNKNOWN = "unknown"  # the label of what a source cannot know (request type, context bucket, draft version)
 SEQ_MASK = (1 << 63) - 1  # window batch seqs are stored as BIGINT
