@@ -27,10 +27,6 @@ PLOT_SIZE = (9, 3.6)  # inches: wide enough for a run's phases to be read apart
 PLOT_DPI = 110  # a readable PNG in summary.md without a large file
 
 
-def _bins(t_end: float, scale: float) -> float:
-    return max(BIN_S * min(1.0, scale), 0.25) if t_end > 0 else BIN_S
-
-
 def throughput_rows(phases: Sequence[Phase], logs: Sequence[RunLog]) -> list[list[str]]:
     rows = []
     for i, p in enumerate(phases):

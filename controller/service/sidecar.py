@@ -118,12 +118,8 @@ class _Seen:
 BucketParts = tuple[str, str, str, int | None, str]  # parse_bucket_key's answer
 
 
-def pin_matches(pin_key: str, bucket_key: str) -> bool:
-    """True when every part of the pin equals the bucket's or is ``*``."""
-    return _parts_match(parse_bucket_key(pin_key), parse_bucket_key(bucket_key))
-
-
 def _parts_match(pin: BucketParts, bucket: BucketParts) -> bool:
+    """True when every part of the pin equals the bucket's or is ``*``."""
     return all(p in (WILDCARD, None, b) for p, b in zip(pin, bucket, strict=True))
 
 
