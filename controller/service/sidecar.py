@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 from collections import Counter as Tally
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -192,6 +193,9 @@ class Sidecar:
         self._next_tick = 0.0
         self._consumer_rejected: dict[str, int] = {}
         self.history: list[PublishedVersion] = []
+        # versions not yet handed to run()'s on_publish (None: no one listens); a queue, not the trimmed history,
+        # so a burst of publishes from other threads (pins) between two loop steps is reported whole
+        self._to_report: deque[PublishedVersion] | None = None
         self.windows_ingested = 0
         self.windows_observed = 0
         self.rejected: dict[str, int] = {}
@@ -255,28 +259,34 @@ class Sidecar:
         """
         stop = stop or self._stop
         deadline = None if duration_s is None else time.monotonic() + duration_s
-        shown = self._version
-        while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
-            try:
-                self.step()
-            except Exception as e:  # the loop must outlive any surprise; the error is visible in health()
-                self._error(e)
-                stop.wait(ERROR_BACKOFF_S)
-            if on_publish is not None and self._version != shown:
-                for pv in self._published_after(shown):
+        if on_publish is not None:
+            with self._lock:
+                self._to_report = deque()
+        try:
+            while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+                try:
+                    self.step()
+                except Exception as e:  # the loop must outlive any surprise; the error is visible in health()
+                    self._error(e)
+                    stop.wait(ERROR_BACKOFF_S)
+                if on_publish is not None:
+                    for pv in self._take_reports():
+                        on_publish(pv)
+        finally:
+            if on_publish is not None:
+                for pv in self._take_reports():
                     on_publish(pv)
-                shown = self._version
+                with self._lock:
+                    self._to_report = None
 
-    def _published_after(self, version: int) -> list[PublishedVersion]:
-        """The versions in :attr:`history` newer than ``version``, oldest first (by version, not by position:
-        the history is trimmed to its newest ``HISTORY_KEEP``)."""
+    def _take_reports(self) -> list[PublishedVersion]:
+        """The versions published since the last call, oldest first (run()'s ``on_publish`` queue)."""
         with self._lock:
-            newer = []
-            for pv in reversed(self.history):
-                if pv.table.version <= version:
-                    break
-                newer.append(pv)
-        return newer[::-1]
+            if not self._to_report:
+                return []
+            out = list(self._to_report)
+            self._to_report.clear()
+        return out
 
     def start(self) -> threading.Thread:
         """Run the loop on a daemon thread (the embedded mode)."""
@@ -470,8 +480,11 @@ class Sidecar:
         assert table is not None
         self._version, self._current = table.version, table
         self.metrics.on_published(table.version, table.entries)
-        self.history.append(PublishedVersion(table, decisions, time.time()))
+        pv = PublishedVersion(table, decisions, time.time())
+        self.history.append(pv)
         del self.history[:-HISTORY_KEEP]
+        if self._to_report is not None:
+            self._to_report.append(pv)
         self._unpublished = table
         self._sync_published()
         return table
