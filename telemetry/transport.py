@@ -70,6 +70,12 @@ class RedisKeys:
         return f"{self.prefix}:alerts"
 
     @property
+    def leader(self) -> str:
+        """The sidecars' leader lease: the holder's random token, with a TTL (``SET NX PX``; see
+        :mod:`controller.service.lease`). Only the holder decides and publishes the policy table."""
+        return f"{self.prefix}:leader"
+
+    @property
     def pattern(self) -> str:
         """A SCAN pattern matching every name of this prefix (housekeeping in tests and benchmarks)."""
         return f"{self.prefix}:*"
