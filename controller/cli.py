@@ -34,6 +34,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_DB_URL = "sqlite:///spectune.sqlite"
 DEFAULT_HTTP_PORT = 8742
 HTTP_TIMEOUT_S = 5.0
+DEFAULT_LEASE_MS = 5000  # a crashed leader is replaced within ~5 s; a Redis hiccup under ~3 s keeps the leader
 
 
 class CLIError(Exception):
@@ -99,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "spectune_alerts_total, GET /alerts); an acceptance drift re-opens its bucket's exploration")
     p.add_argument("--alert-webhook", default=None, metavar="URL",
                    help="also POST each alert's JSON here (bounded retries, off the sidecar's loop)")
+    p.add_argument("--lease-ms", type=int, default=DEFAULT_LEASE_MS,
+                   help="leader lease ({prefix}:leader): one sidecar of those sharing the prefix decides and "
+                        "publishes, the others ingest; a dead leader is replaced after at most this long")
+    p.add_argument("--no-lease", action="store_true",
+                   help="no leader lease: this sidecar always decides and publishes (only for a single sidecar)")
 
     sub.add_parser("alerts", help="list drift alerts and model updates, ack one by id", add_help=False)
     sub.add_parser("demo", help="the embedded demo (spectune demo --help for its options)", add_help=False)
@@ -251,6 +257,7 @@ def _sidecar(args: argparse.Namespace) -> int:
         WebhookSink,
     )
     from controller.service.http import OperatorServer
+    from controller.service.lease import Lease, LeaseConfig
     from controller.service.metrics import SidecarMetrics
     from controller.service.publish import RedisPublisher
     from controller.service.sidecar import Sidecar, SidecarConfig
@@ -258,13 +265,14 @@ def _sidecar(args: argparse.Namespace) -> int:
     from telemetry.alerts_store import AlertStore
     from telemetry.ingest import ConsumerConfig, default_consumer_name
     from telemetry.store import Store
-    from telemetry.transport import RedisConfig, RedisStreamsTransport
+    from telemetry.transport import RedisConfig, RedisKeys, RedisStreamsTransport
 
     if args.policy not in REGISTRY:
         raise CLIError(f"unknown policy {args.policy!r}; choose one of: {', '.join(sorted(REGISTRY))}")
     if args.alert_webhook is not None and not args.alerts:
         raise CLIError("--alert-webhook needs alerts on; drop --no-alerts")
     webhook = WebhookConfig(args.alert_webhook) if args.alert_webhook else None  # ValueError: a bad URL, said early
+    lease_cfg = None if args.no_lease else LeaseConfig(args.lease_ms)  # ValueError: a lease too short, said early
     _check_redis(args.redis_url)
     consumer = ConsumerConfig(consumer=args.consumer or default_consumer_name(), claim_min_idle_ms=args.claim_idle_ms,
                               claim_interval_s=min(5.0, args.claim_idle_ms / 2000))
@@ -281,15 +289,18 @@ def _sidecar(args: argparse.Namespace) -> int:
         sinks: list[AlertSink] = [RedisStreamSink(args.redis_url, args.prefix), LogSink(),
                                   PrometheusSink(metrics.registry), *([WebhookSink(webhook)] if webhook else [])]
         alerts = AlertManager(AlertConfig(), store=alert_store, sinks=sinks)
+    lease = None if lease_cfg is None else Lease(args.redis_url, RedisKeys(args.prefix).leader, lease_cfg)
     sidecar = Sidecar(cfg, transport, store, REGISTRY[args.policy](k_max=args.k_max, seed=args.seed), publisher,
-                      metrics, alerts=alerts)
+                      metrics, alerts=alerts, lease=lease)
     server = OperatorServer(sidecar, args.http_host, args.http_port).start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(f"sidecar {consumer.consumer}: policy {args.policy}, resuming at v{sidecar.version}; "
           f"operator endpoint {server.url}; consuming {transport.stream} (group sidecar); alerts "
-          f"{'on' if alerts else 'off'}{' + webhook' if webhook else ''}", flush=True)
+          f"{'on' if alerts else 'off'}{' + webhook' if webhook else ''}; "
+          + (f"leader lease {lease.key} ({lease_cfg.lease_ms} ms)" if lease and lease_cfg
+             else "no lease (always the leader)"), flush=True)
     if args.ready_file is not None:
         args.ready_file.write_text(json.dumps({"url": server.url, "pid": os.getpid()}))
     try:
@@ -297,6 +308,8 @@ def _sidecar(args: argparse.Namespace) -> int:
                     on_publish=lambda pv: print(f"published v{pv.table.version}: {pv.table.reason}", flush=True))
     finally:
         server.close()
+        if lease is not None:
+            lease.close()  # run() released it already; this closes the connection
         if alerts is not None:
             alerts.close()  # flushes the registry's counts, stops the webhook's thread
         if alert_store is not None:

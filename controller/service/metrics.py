@@ -87,6 +87,14 @@ class SidecarMetrics:
         self.http_overloaded = Counter(
             "spectune_http_overloaded", "Operator HTTP requests answered 503 because every worker was busy.",
             registry=r)
+        self.leader = Gauge(
+            "spectune_sidecar_leader",
+            "1 while this sidecar holds the leader lease and so decides and publishes the table (always 1 without "
+            "a lease: a single sidecar); 0 while it only ingests.", registry=r)
+        self.lease_events = Counter(
+            "spectune_sidecar_lease_events",
+            "Leader lease transitions of this sidecar: acquired, or lost (lapsed, taken over, Redis unreachable; "
+            "a clean release is not a loss).", ["event"], registry=r)
         # label tuple -> [rows that drafted, drafted, accepted, emitted]: the gauges are ratios of these totals
         self._totals: dict[tuple[str, ...], list[int]] = {}
 
@@ -127,6 +135,12 @@ class SidecarMetrics:
 
     def on_version_ahead(self) -> None:
         self.policy_version_ahead.inc()
+
+    def on_leadership(self, leader: bool, *, changed: bool) -> None:
+        """Whether this sidecar leads now; ``changed``: it just acquired (leader) or lost (not) the lease."""
+        self.leader.set(1 if leader else 0)
+        if changed:
+            self.lease_events.labels("acquired" if leader else "lost").inc()
 
     def on_published(self, version: int, entries: dict[str, int]) -> None:
         """A new table went out: its version, and k per exact bucket (wildcard keys are not exported)."""

@@ -18,9 +18,20 @@ One loop (:meth:`Sidecar.step`, run on a thread or as the ``spectune sidecar`` p
 
 Restart: the consumer group redelivers what was not acknowledged (stores ingest each ``(engine_id, seq)`` once);
 the version counter continues from the latest stored version; the policy is warmed by replaying the newest
-stored windows, so a restarted sidecar does not fall back to its priors. Several sidecars may share the
-consumer group: each learns from its share plus the replayed history, and the publisher never lets the
-engines' table go backwards in version.
+stored windows, so a restarted sidecar does not fall back to its priors.
+
+Several sidecars (scale-out): ingestion scales out through the consumer group (each consumer stores its share);
+deciding does not. With a :class:`~controller.service.lease.Lease`, exactly one sidecar at a time, the
+**leader**, decides and publishes; the others (followers) ingest, never touch the engines' key, and answer
+``publish_now`` with None (a pin they store is applied by the leader on its next tick). In this mode every
+sidecar's policy learns from the *store*, not from its own consumer: a :class:`~telemetry.window_feed.WindowFeed`
+hands it each window any consumer committed, once, in commit order (the own consumer's windows go to the
+Prometheus series and the alerts only, so nothing is observed twice). Followers are thus warm standbys: when the
+leader dies its lease lapses, a follower takes it, reads the feed to its end and adopts the store's newest table
+and version before its first decision. The store fences a stale leader: a version a peer already stored is
+refused, and a sidecar whose lease Redis no longer confirms steps down instead of retrying with the next number.
+Without a lease (the embedded mode, ``--no-lease``) the sidecar is always the leader and learns from its
+consumer's batches directly.
 
 Versions come from the SQL store, the sidecar's own truth, never from what sits in Redis. On every decision tick
 the sidecar checks that the engines' key holds the store's newest table and re-publishes it when it is missing
@@ -41,6 +52,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from controller.service.lease import Lease
 from controller.service.metrics import SidecarMetrics
 from controller.service.publish import Publisher
 from policies.base import Decision, Policy, cell_key
@@ -61,6 +73,7 @@ from telemetry.records import (
 )
 from telemetry.store import Pin, Store
 from telemetry.transport import Transport
+from telemetry.window_feed import WindowFeed, WindowFeedConfig
 from telemetry.wire import parse_bucket_key
 
 if TYPE_CHECKING:
@@ -68,6 +81,7 @@ if TYPE_CHECKING:
 
 HISTORY_KEEP = 1000  # decisions kept in memory for the demo and the HTTP endpoint
 ERROR_BACKOFF_S = 0.5  # pause after an unexpected error, so a persistent fault is not a busy loop
+MAX_CATCH_UP_POLLS = 1000  # a new leader reads the feed to its end before deciding, at most this many pages
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +103,8 @@ class SidecarConfig:
     # Caps on the request types, buckets and version pairs tracked: windows beyond them are dead-lettered with a
     # reason (telemetry.cardinality), so forged labels cannot grow the policy or the decision time without end.
     limits: CardinalityLimits = field(default_factory=CardinalityLimits)
+    # With a lease, how the policy tails the store for the windows every consumer committed.
+    feed: WindowFeedConfig = field(default_factory=WindowFeedConfig)
 
     def __post_init__(self) -> None:
         if self.publish_every_windows < 1:
@@ -160,11 +176,13 @@ class Sidecar:
         publisher: where tables go (Redis or a callback).
         metrics: the Prometheus series (a fresh private registry by default).
         alerts: watches every new batch and raises drift alerts (None: no alerts); the caller closes it.
+        lease: the leader lease shared with the other sidecars of this deployment (None: a single sidecar,
+            always the leader). The sidecar releases it when :meth:`run` ends; the caller closes it.
     """
 
     def __init__(self, config: SidecarConfig, transport: Transport, store: Store, policy: Policy,
                  publisher: Publisher, metrics: SidecarMetrics | None = None, *,
-                 alerts: AlertManager | None = None) -> None:
+                 alerts: AlertManager | None = None, lease: Lease | None = None) -> None:
         self.config = config
         self.transport = transport
         self.store = store
@@ -204,6 +222,12 @@ class Sidecar:
         self.started_at = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.lease = lease
+        self._leader = lease is None  # decides and publishes; with a lease only after acquiring it
+        # with a lease the policy learns every consumer's windows from the store (see the module docstring)
+        self._feed = WindowFeed(store, config.feed) if lease is not None else None
+        self._feed_ready = False  # the feed's start position is set (by the replay, or at the store's top)
+        self.metrics.on_leadership(self._leader, changed=False)
         self._resume()
 
     # --------------------------------------------------------------------------------------- start-up
@@ -213,7 +237,7 @@ class Sidecar:
         if latest is not None:
             self._version, self._current = latest.version, latest
             self._unpublished = latest  # e.g. Redis was flushed: engines get the last table back
-        self._sync_published()
+        self._sync_published()  # a leader's only (followers never touch the engines' key)
         if self.config.warm_start_windows:
             self._replay(self.config.warm_start_windows)
 
@@ -223,6 +247,9 @@ class Sidecar:
         except StoreError as e:
             self._error(e)
             return
+        if self._feed is not None:  # the feed goes on after what was replayed
+            self._feed.start_after([w.id for w in acc], [w.id for w in cost])
+            self._feed_ready = True
         windows: list[tuple[float, AcceptanceWindow | CostWindow]] = [(w.window_end, w.window) for w in acc]
         windows += [(w.window_end, w.window) for w in cost]
         windows.sort(key=lambda x: x[0])
@@ -238,12 +265,15 @@ class Sidecar:
         self._sync_consumer_rejections()
         with self._lock:
             for b in batches:
-                self._observe_batch(b)
+                self._observe_batch(b, learn=self._feed is None)  # with a feed the policy learns from the store
         self.windows_ingested += len(batches)
         if batches:
             self.metrics.windows_ingested.inc(len(batches))
+        if self.lease is not None:
+            self._follow_lease()
+            self._poll_feed()
         now = time.monotonic()
-        if self._since_decide >= self.config.publish_every_windows or now >= self._next_tick:
+        if self._leader and (self._since_decide >= self.config.publish_every_windows or now >= self._next_tick):
             self.publish_if_changed("learned")
         return len(batches)
 
@@ -273,6 +303,7 @@ class Sidecar:
                     for pv in self._take_reports():
                         on_publish(pv)
         finally:
+            self.release_lease()  # a clean stop: a peer takes over at once, not after the lease's TTL
             if on_publish is not None:
                 for pv in self._take_reports():
                     on_publish(pv)
@@ -311,12 +342,106 @@ class Sidecar:
                 break
         return total
 
+    # ------------------------------------------------------------------------------------------ lease
+    def _follow_lease(self) -> None:
+        """Renew or try to take the lease; a new leader catches up from the store before deciding."""
+        assert self.lease is not None
+        leads = self.lease.tick()
+        if leads and not self._leader:
+            self._take_over()
+        elif not leads and self._leader:
+            with self._lock:
+                self._step_down("lost the leader lease")
+
+    def _take_over(self) -> None:
+        """Become the leader: read every window stored so far, then continue from the store's newest table.
+        On a store failure this sidecar holds the lease without deciding and tries again next step."""
+        try:
+            for _ in range(MAX_CATCH_UP_POLLS):
+                if not self._poll_feed(raise_errors=True):
+                    break
+            latest = self.store.latest_policy_version()
+        except StoreError as e:
+            self._error(e)
+            return
+        with self._lock:
+            if latest is not None and latest.version >= self._version:
+                self._version, self._current = latest.version, latest
+                self._unpublished = latest  # checked against the engines' key by the next _sync_published
+            self._kept = {}  # decided afresh by this policy
+            self._next_tick = 0.0  # decide at once
+            self._leader = True
+        self.metrics.on_leadership(True, changed=True)
+        log.info("leader lease %s acquired: caught up from the store, continuing from v%d", self.lease_key,
+                 self._version)
+
+    def _step_down(self, why: str) -> None:
+        """Stop deciding and publishing (call with the lock held)."""
+        if not self._leader:
+            return
+        self._leader = False
+        self.metrics.on_leadership(False, changed=True)
+        log.warning("%s (%s): following; this sidecar no longer decides nor publishes", why, self.lease_key)
+
+    def _leads(self) -> bool:
+        """Whether this sidecar may decide and publish now (the lease's local deadline is checked too)."""
+        if self.lease is None:
+            return True
+        if self._leader and not self.lease.held():
+            with self._lock:
+                self._step_down("the leader lease lapsed")
+        return self._leader
+
+    def release_lease(self) -> None:
+        """Give the lease up (a clean stop); a no-op without one. The next :meth:`step` contends again."""
+        if self.lease is None:
+            return
+        with self._lock:
+            was, self._leader = self._leader, False
+            self.lease.release()
+        if was:
+            self.metrics.on_leadership(False, changed=False)  # released, not lost
+            log.info("leader lease %s released", self.lease_key)
+
+    @property
+    def lease_key(self) -> str | None:
+        return self.lease.key if self.lease is not None else None
+
+    def _poll_feed(self, raise_errors: bool = False) -> int:
+        """Feed the policy the windows committed to the store since the last poll (every consumer's); returns
+        how many. A store failure is counted (raised with ``raise_errors``); the next poll reads them again."""
+        if self._feed is None:
+            return 0
+        try:
+            if not self._feed_ready:
+                self._feed.start_at_top()
+                self._feed_ready = True
+            windows = self._feed.windows()
+        except StoreError as e:
+            if raise_errors:
+                raise
+            self._error(e)
+            return 0
+        with self._lock:
+            for w in windows:
+                if self._gate.admit(w) is None:  # as the replay: labels past the caps are stored, not learned
+                    self._observe_window(w, count_metrics=False)
+        return len(windows)
+
     # ---------------------------------------------------------------------------------------- learning
-    def _observe_batch(self, b: WindowBatch) -> None:
+    def _observe_batch(self, b: WindowBatch, learn: bool = True) -> None:
+        """A batch this sidecar's consumer stored: to the policy (``learn``; else the feed brings it) and to
+        the Prometheus series, the engine's own drop count and the alerts."""
         for a in b.acceptance:
-            self._observe_window(a)
+            if learn:
+                self._observe_window(a)
+            else:
+                self.metrics.on_acceptance(a)
         for c in b.cost:
-            self._observe_window(c)
+            if learn:
+                self._observe_window(c)
+            else:
+                self.metrics.on_cost()
         if b.dropped_before:
             self._count_rejected("engine_dropped_windows", b.dropped_before)
         if self.alerts is not None:
@@ -403,6 +528,8 @@ class Sidecar:
             The new table, or None when nothing changed (or it could not be stored).
         """
         with self._lock:
+            if not self._leads():
+                return None  # a follower never publishes: the leader applies stored pins on its next tick
             self._decisions += 1
             self._since_decide = 0
             self._next_tick = time.monotonic() + self.config.publish_every_s
@@ -458,6 +585,13 @@ class Sidecar:
                            decisions: dict[str, Decision]) -> PolicyTable | None:
         table: PolicyTable | None = None
         for _attempt in range(3):  # another sidecar may have taken the next version number meanwhile
+            # Fencing: right before a version number is taken, Redis must still hold this sidecar's lease (one
+            # round trip per publish); a stale leader, e.g. one paused past its lease, steps down here.
+            if not self._leads():
+                return None
+            if not self._lease_confirmed():
+                self._step_down("Redis no longer holds this sidecar's lease")
+                return None
             table = PolicyTable(version=self._version + 1, default_k=default_k, k_max=self.policy.k_max,
                                 entries=entries, created_at=time.time(), reason=reason[:MAX_REASON_CHARS])
             try:
@@ -474,6 +608,7 @@ class Sidecar:
                 if latest is None or latest.version <= self._version:
                     self._error(e)
                     return None
+                # with a lease, the next attempt confirms it first: a stale peer took the number, or we are stale
                 self._version = latest.version
         else:
             return None
@@ -497,7 +632,7 @@ class Sidecar:
         sidecar of the same store made it); reports a version ahead of the store and replaces that table.
         """
         want = self._unpublished or self._current
-        if want is None:
+        if want is None or not self._leads():
             return
         try:
             there = self.publisher.current_version()
@@ -513,6 +648,16 @@ class Sidecar:
         except TransportError as e:
             self._publisher_ok = False
             self._error(e)
+
+    def _lease_confirmed(self) -> bool:
+        """Whether Redis still holds this sidecar's lease (renewed now); True without a lease."""
+        if self.lease is None:
+            return True
+        try:
+            return self.lease.renew()
+        except TransportError as e:
+            self._error(e)
+            return False
 
     def _delivered(self) -> None:
         self._unpublished = None
@@ -565,6 +710,14 @@ class Sidecar:
         self.errors += 1
         self.last_error = f"{type(e).__name__}: {e}" if not isinstance(e, SpectuneError) else str(e)
 
+    def _lease_health(self) -> dict[str, Any]:
+        """The lease and the store feed, for :meth:`health`: who may decide, how often it changed."""
+        assert self.lease is not None and self._feed is not None
+        ls = self.lease.stats()
+        return {"key": self.lease.key, "lease_ms": self.lease.config.lease_ms, "acquisitions": ls.acquisitions,
+                "losses": ls.losses, "failures": ls.failures, "last_error": ls.last_error,
+                "feed": self._feed.stats()}
+
     def health(self) -> dict[str, Any]:
         """A JSON-safe summary for ``GET /health`` and the CLI."""
         cs = self._consumer.stats()
@@ -588,6 +741,8 @@ class Sidecar:
             "unpublished_version": self._unpublished.version if self._unpublished else None,
             "publisher_ok": self._publisher_ok,
             "policy_version_ahead": dict(self.version_ahead) if self.version_ahead else None,
+            "leader": self._leads(),
+            "lease": None if self.lease is None else self._lease_health(),
             "tracked": self._gate.stats(),
             "alerts": None if self.alerts is None else {
                 "raised": dict(sorted((k[len("raised_"):], n) for k, n in self.alerts.stats.items()

@@ -1,0 +1,190 @@
+"""The leader lease on real Redis, the store feed on real PostgreSQL, and three sidecar processes failing over."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from sqlalchemy import create_engine, text
+from synthetic_feed import feed
+
+from controller.service.lease import Lease, LeaseConfig
+from controller.service.publish import RedisPublisher
+from controller.service.sidecar import Sidecar, SidecarConfig
+from policies import REGISTRY
+from telemetry.ingest import ConsumerConfig
+from telemetry.store import Store
+from telemetry.transport import RedisConfig, RedisKeys, RedisStreamsTransport
+from telemetry.window_feed import WindowFeed, WindowFeedConfig
+
+LEASE_MS = 300  # short enough for expiry tests to take a fraction of a second
+
+
+def lease(redis_url: str, prefix: str, token: str, lease_ms: int = LEASE_MS) -> Lease:
+    return Lease(redis_url, RedisKeys(prefix).leader, LeaseConfig(lease_ms), token=token)
+
+
+def test_config_is_validated_at_the_edge() -> None:
+    with pytest.raises(ValueError, match="lease_ms"):
+        LeaseConfig(50)
+    assert LeaseConfig(3000).renew_every_s == pytest.approx(1.0)
+    assert LeaseConfig(3000).trusted_s < 3.0
+
+
+def test_acquire_is_exclusive_and_release_hands_over_at_once(redis_url: str, redis_prefix: str) -> None:
+    a, b = lease(redis_url, redis_prefix, "a"), lease(redis_url, redis_prefix, "b")
+    assert a.try_acquire() and a.held()
+    assert not b.try_acquire() and not b.held()
+    assert a.holder() == b.holder() == "a"
+    pttl = redis.Redis.from_url(redis_url).pttl(RedisKeys(redis_prefix).leader)
+    assert 0 < pttl <= LEASE_MS
+    assert a.release() and not a.held()
+    assert b.try_acquire() and b.holder() == "b"  # no wait for the TTL after a clean release
+    assert not a.release()  # compare-and-delete: a cannot remove b's lease
+    assert b.holder() == "b"
+    a.close()
+    b.close()
+
+
+def test_renewal_keeps_the_lease_past_its_ttl(redis_url: str, redis_prefix: str) -> None:
+    a, b = lease(redis_url, redis_prefix, "a"), lease(redis_url, redis_prefix, "b")
+    assert a.tick()
+    end = time.monotonic() + 3 * LEASE_MS / 1000
+    while time.monotonic() < end:  # the holder ticks (renews every lease/3); the other keeps trying
+        assert a.tick()
+        assert not b.tick()
+        time.sleep(0.02)
+    assert a.stats().acquisitions == 1 and a.stats().losses == 0
+    a.close()
+    b.close()
+
+
+def test_a_dead_holder_is_replaced_after_its_ttl(redis_url: str, redis_prefix: str) -> None:
+    a, b = lease(redis_url, redis_prefix, "a"), lease(redis_url, redis_prefix, "b")
+    assert a.tick()
+    t0 = time.monotonic()  # a "dies": it never ticks again
+    while not b.tick():
+        time.sleep(0.01)
+        assert time.monotonic() - t0 < 3 * LEASE_MS / 1000, "the lease was never taken over"
+    took = time.monotonic() - t0
+    assert LEASE_MS / 1000 * 0.9 <= took <= LEASE_MS / 1000 + LeaseConfig(LEASE_MS).renew_every_s + 0.2
+    assert not a.held()  # its local deadline passed before the key expired
+    assert not a.renew() and a.stats().losses == 1  # compare-and-extend refuses: the key holds b's token
+    assert b.holder() == "b"
+    a.close()
+    b.close()
+
+
+def test_a_holder_cut_off_from_redis_steps_down_by_its_local_deadline(redis_url: str, redis_prefix: str) -> None:
+    a = lease(redis_url, redis_prefix, "a")
+    assert a.tick()
+    a._r.connection_pool.reset()  # noqa: SLF001 - point the holder at a dead server from now on
+    a._r.connection_pool.connection_kwargs.update(port=1, host="127.0.0.1")  # noqa: SLF001
+    deadline = time.monotonic() + LeaseConfig(LEASE_MS).trusted_s
+    while time.monotonic() < deadline - 0.05:
+        assert a.tick()  # renewals fail, yet the lease Redis granted still stands
+        time.sleep(0.02)
+    time.sleep(0.1)
+    assert not a.tick() and a.stats().failures >= 1 and a.stats().losses == 1
+    a.close()
+
+
+def make(redis_url: str, prefix: str, db_url: str, name: str, token: str, **cfg) -> Sidecar:  # type: ignore[no-untyped-def]
+    rcfg = RedisConfig(prefix=prefix)
+    return Sidecar(
+        SidecarConfig(consumer=ConsumerConfig(consumer=name, count=4, block_ms=5), **cfg),
+        RedisStreamsTransport(redis_url, rcfg), Store(db_url), REGISTRY["goodput"](k_max=8),
+        RedisPublisher(redis_url, prefix), lease=lease(redis_url, prefix, token))
+
+
+def test_only_the_leader_publishes_and_it_learns_every_consumers_windows(redis_url: str, redis_prefix: str,
+                                                                        pg_url: str) -> None:
+    Store(pg_url, auto_upgrade=True).close()
+    sent = feed(RedisStreamsTransport(redis_url, RedisConfig(prefix=redis_prefix)), 600, per_window=20)
+    a = make(redis_url, redis_prefix, pg_url, "a", "a", publish_every_windows=4)
+    b = make(redis_url, redis_prefix, pg_url, "b", "b", publish_every_windows=4)
+    for _ in range(200):
+        a.step()
+        b.step()
+        if a.windows_ingested + b.windows_ingested == sent:
+            break
+    for _ in range(3):
+        a.step()
+        b.step()
+    assert a.windows_ingested > 0 and b.windows_ingested > 0  # ingestion scaled out ...
+    leader, follower = (a, b) if a.health()["leader"] else (b, a)
+    assert leader.health()["leader"] and not follower.health()["leader"]
+    assert follower.history == [] and leader.version >= 1  # ... deciding did not
+    rows = len(leader.store.acceptance_windows()) + len(leader.store.cost_windows())
+    assert leader.windows_observed == rows  # every consumer's windows, each once
+    assert follower.windows_observed == rows  # the follower is a warm standby
+    assert follower.publish_now("pin") is None  # a follower never publishes, even when asked
+    expo = leader.metrics.exposition().decode()
+    assert "spectune_sidecar_leader 1.0" in expo
+    assert 'spectune_sidecar_lease_events_total{event="acquired"} 1.0' in expo
+    assert "spectune_sidecar_leader 0.0" in follower.metrics.exposition().decode()
+    for sc in (a, b):
+        sc.release_lease()
+        sc.store.close()
+
+
+def test_a_stale_leader_whose_lease_expired_cannot_publish(redis_url: str, redis_prefix: str, pg_url: str) -> None:
+    Store(pg_url, auto_upgrade=True).close()
+    feed(RedisStreamsTransport(redis_url, RedisConfig(prefix=redis_prefix)), 300, per_window=20)
+    a = make(redis_url, redis_prefix, pg_url, "a", "a", publish_every_windows=4)
+    a.drain(idle_steps=3)
+    assert a.health()["leader"] and a.version >= 1
+    v_a = a.version
+    time.sleep(LEASE_MS / 1000 + 0.1)  # a stalls (no tick): its lease expires in Redis
+    b = make(redis_url, redis_prefix, pg_url, "b", "b", publish_every_windows=4)
+    assert b.windows_observed == a.windows_observed  # replayed the store at start-up
+    b.step()
+    assert b.health()["leader"] and b.version >= v_a  # caught up: continues from the store's version
+    b.store.pin("*|*|*|*|*", 0, "fence test", who="test")
+    table_b = b.publish_now("pin")
+    assert table_b is not None and table_b.version > v_a
+    v_b = table_b.version
+    # a wakes up and, before any tick, tries to publish: its local deadline has passed, so it refuses
+    assert a.publish_now("stale") is None and not a.health()["leader"]
+    # even past the local check (a clock that lied), Redis no longer confirms its lease: no version is taken
+    a.lease._holder, a.lease._valid_until = True, time.monotonic() + 10  # noqa: SLF001
+    a._leader = True  # noqa: SLF001
+    a.store.unpin("*|*|*|*|*")
+    assert a.publish_now("stale forced") is None and not a._leader  # noqa: SLF001
+    assert b.store.latest_policy_version().version == v_b  # type: ignore[union-attr]
+    assert RedisPublisher(redis_url, redis_prefix).current_version() == v_b
+    assert a.version == v_b  # it adopted the leader's table
+    for sc in (a, b):
+        sc.release_lease()
+        sc.store.close()
+
+
+def test_the_feed_hands_out_rows_committed_out_of_id_order(pg_url: str) -> None:
+    """A slow consumer's transaction holds a lower id than one committed after it: the feed still delivers it."""
+    from telemetry.transport import InProcessTransport
+    from telemetry.wire import decode_batch
+
+    t = InProcessTransport()
+    feed(t, 160, per_window=80)
+    first, second = (decode_batch(p) for _, p in t.read("x", 10, 0))
+    with Store(pg_url, auto_upgrade=True) as store:
+        store.ingest([first])
+        f = WindowFeed(store, WindowFeedConfig(gap_grace_s=30))
+        f.start_at_top()
+        eng = create_engine(pg_url)
+        with eng.connect() as c:
+            tx = c.begin()  # the slow consumer: its row takes the next id, uncommitted
+            late = c.execute(text(
+                "INSERT INTO acceptance_windows (batch_id, bucket_id, rows, drafted, accepted, emitted, hist) "
+                "SELECT batch_id, bucket_id, rows, drafted, accepted, emitted, hist FROM acceptance_windows "
+                "ORDER BY id LIMIT 1 RETURNING id")).scalar_one()
+            store.ingest([second])  # a faster consumer commits higher ids
+            acc, cost = f.poll()
+            assert len(acc) == len(second.acceptance) and len(cost) == len(second.cost)
+            assert all(w.id > late for w in acc) and f.stats()["gaps_open"] == 1
+            tx.commit()
+        eng.dispose()
+        acc, cost = f.poll()
+        assert [w.id for w in acc] == [late] and cost == []  # delivered once it committed
+        assert f.poll() == ([], []) and f.stats()["gaps_open"] == 0
