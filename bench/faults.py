@@ -1,0 +1,1375 @@
+"""Fault suite (issue 14): the sidecar path under outages, kills and hostile input, on its own Redis and PostgreSQL.
+
+Run: ``spectune bench faults [--quick] [--profile small|xl] [--out bench/results]`` (or ``python -m bench.faults``).
+Writes ``faults.json`` and ``faults.png`` (a timeline per scenario) under ``--out`` and prints a table.
+
+What runs. The suite starts its **own** ``redis-server`` (no persistence) and its **own** PostgreSQL cluster
+(``initdb`` into a temporary folder, ``pg_ctl start`` on a free port; as the ``postgres`` user when run as root),
+a ``spectune sidecar`` process between them and, unless ``--no-engine``, one reference engine process
+(``spectune engine``, ``--profile``) that decodes and ships windows through every scenario. It kills and restarts
+only what it started, by PID or by its own data folder, and removes everything on exit (exceptions, Ctrl-C and
+SIGTERM included). The shared servers on 6379 / 5432 are never touched.
+
+Counting. Each scenario runs a **feeder**: a thread that XADDs well-formed window batches of seeded synthetic
+rounds, one engine id per scenario and sequence numbers 1, 2, 3, ..., at an engine's pace (one window per
+``feed_interval_s``), keeping what Redis refused and sending it again, as the emitter does. ``windows_sent`` counts
+the XADDs Redis acknowledged; ``windows_stored`` counts that engine id's distinct ``seq`` in the suite's
+PostgreSQL; ``windows_duplicated`` counts stored rows beyond one per ``seq``. The engine's own figures (its
+emitter's ``windows_sent`` / ``windows_dropped`` against its rows in PostgreSQL) are in the ``engine`` block.
+
+Scenarios (one fault at a time; ``--quick`` shrinks durations and counts):
+
+- ``redis_kill``: SIGKILL the suite's Redis, keep it down ``redis_down_s``, restart it empty on the same port.
+  The kill is timed at a moment when the consumer group has no undelivered entry (``XINFO GROUPS`` lag 0, the
+  feeder held): without persistence, entries Redis had acknowledged and nobody read yet die with it, which is
+  Redis's durability setting, not the sidecar's. ``undelivered_at_kill`` says how many there were (0).
+- ``sidecar_kill``: SIGKILL the sidecar, start a new one (same consumer name, so it claims its own pending).
+- ``postgres_stop``: ``pg_ctl stop -m immediate``, ``pg_down_s`` of outage, ``pg_ctl start``.
+- ``fuzz``: ``fuzz_entries`` hostile stream entries: hypothesis draws valid batches (seeded synthetic rounds) and
+  raw wire Structs (``st.from_type`` on :mod:`telemetry.wire`'s Structs), then a seeded mutator changes fields,
+  types, bytes, sizes and nesting. Every entry must be dead-lettered, stored or skipped as a duplicate.
+- ``forged_types``: ``forged_types`` well-formed windows, each with a new request type; the cardinality caps must
+  dead-letter the excess, and the sidecar's RSS must stay within 2x its idle RSS.
+- ``forged_tables``: forged (version far ahead), stale, oversized, garbage and wrong-Redis-type values written
+  to the engines' policy key; how long each stays before the sidecar puts the store's table back.
+- ``http``: ``http_requests`` requests from ``http_clients`` concurrent clients against the operator endpoint,
+  hostile bodies included (5000-digit k, 5000-deep JSON, NUL in a bucket), with ``idle_connections`` held open.
+- ``scaleout``: ``bench._faults_scaleout.run_scaleout`` (three sidecars, kill -9 the leader), when present.
+
+Per scenario: ``windows_sent/stored/lost/duplicated``, ``engine_crashed``, ``sidecar_crashed``, ``recovery_s``
+(``first_window_stored_s`` and ``table_present_s`` after the service returns), ``policy_key_absent_s`` (longest
+run of 50 ms polls finding no table of the store's at the key while Redis answered), ``http_5xx``, ``http_p99_ms``,
+``max_rss_mb`` (peak sampled VmRSS of the sidecar), ``idle_rss_mb`` (VmRSS before the fault), ``dead_lettered`` and
+``dead_letter_reasons`` (the sidecar's ``/health`` ``rejected`` counters over the scenario). ``targets`` judges each.
+
+A benchmark never asserts: it prints, saves JSON and a PNG, and leaves judging to the reader (and ``targets``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import redis
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Engine
+
+from bench._common import write_results
+from telemetry.aggregate import aggregate
+from telemetry.policy_table import MAX_TABLE_BYTES, policy_table_from_json, table_to_json
+from telemetry.records import AcceptanceWindow, PolicyTable, RecordError, WindowBatch
+from telemetry.synthetic import synthetic_rounds
+from telemetry.transport import GROUP, PAYLOAD_FIELD, RedisKeys
+from telemetry.wire import encode_batch
+
+REPO = Path(__file__).resolve().parents[1]
+PREFIX = "faults"  # the suite's Redis prefix (its own Redis, so any word does)
+POLL_S = 0.05  # the policy key and the sidecar's RSS are sampled this often
+STORED_POLL_S = 0.5  # the feeder's stored count is read from PostgreSQL this often (timeline only)
+READY_TIMEOUT_S = 120.0  # a sidecar or engine start on a busy 2-core machine (torch import, model load)
+SERVICE_TIMEOUT_S = 30.0  # redis-server / PostgreSQL start
+SETTLE_TIMEOUT_S = 60.0  # after a scenario: every window the feeder sent stored, or give up and count the rest lost
+PG_SUPERUSER = "postgres"
+PG_BINARIES = ("initdb", "pg_ctl")
+FORGED_REASON = "forged by the fault suite"
+
+# Targets (issue 14); evaluated in the JSON's ``targets`` block.
+TARGET_RECOVERY_S = 5.0  # first stored window and a table at the key, after a service returns
+TARGET_POLICY_ABSENT_S = 2.0  # the engines' key without the store's table
+TARGET_HTTP_P99_MS = 50.0  # operator endpoint at 20 concurrent clients
+TARGET_RSS_RATIO = 2.0  # sidecar peak RSS over its idle RSS under the cardinality flood
+
+SCENARIOS = ("redis_kill", "sidecar_kill", "postgres_stop", "fuzz", "forged_types", "forged_tables", "http",
+             "scaleout")
+
+
+class FaultSuiteError(RuntimeError):
+    """The suite could not set itself up (a missing binary, a service that did not start); says what to do."""
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Durations and sizes of one run; ``--quick`` picks the small preset."""
+
+    redis_down_s: float  # Redis outage (SIGKILL to restart)
+    pg_down_s: float  # PostgreSQL outage (stop -m immediate to start)
+    fuzz_entries: int  # hostile stream entries
+    fuzz_pool: int  # of which drawn by hypothesis; the rest are seeded mutations of those draws
+    forged_types: int  # well-formed windows, each with a new request type
+    http_requests: int
+    http_clients: int  # concurrent clients
+    idle_connections: int  # held open during the HTTP run
+    before_s: float  # steady feeding before each fault
+    after_s: float  # steady feeding after a service returns
+    feed_interval_s: float = 0.25  # one feeder window per this many seconds (an engine's emitter interval)
+    rounds_per_window: int = 40
+    scaleout_windows: int = 200  # passed to run_scaleout
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, v in self.__dict__.items():
+            if name != "seed" and not v > 0:
+                raise ValueError(f"FaultConfig.{name} must be > 0, got {v}")
+        if self.fuzz_pool > self.fuzz_entries:
+            raise ValueError("FaultConfig.fuzz_pool must be <= fuzz_entries")
+
+
+PRESETS = {
+    "full": FaultConfig(redis_down_s=30, pg_down_s=20, fuzz_entries=100_000, fuzz_pool=5_000, forged_types=1_000,
+                        http_requests=2_000, http_clients=20, idle_connections=200, before_s=5, after_s=8,
+                        scaleout_windows=400),
+    "quick": FaultConfig(redis_down_s=5, pg_down_s=5, fuzz_entries=2_000, fuzz_pool=500, forged_types=1_000,
+                         http_requests=400, http_clients=20, idle_connections=200, before_s=2, after_s=4),
+}
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.05) -> Any:
+    end = time.monotonic() + timeout_s
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > end:
+            raise FaultSuiteError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(every_s)
+
+
+def pct(xs: Sequence[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def rss_mb(pid: int) -> tuple[float, float] | None:
+    """(VmRSS, VmHWM) of a process in MB, from /proc; None once it is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    kb = {ln.split(":")[0]: float(ln.split()[1]) for ln in lines if ln.startswith(("VmRSS", "VmHWM"))}
+    if "VmRSS" not in kb:
+        return None
+    return kb["VmRSS"] / 1024, kb.get("VmHWM", kb["VmRSS"]) / 1024
+
+
+# ----------------------------------------------------------------------------------------- own services
+class OwnRedis:
+    """A ``redis-server`` this suite started (no persistence): killed and restarted by PID, same port."""
+
+    def __init__(self, workdir: Path) -> None:
+        if shutil.which("redis-server") is None:
+            raise FaultSuiteError("redis-server is not on PATH; install Redis (apt-get install redis-server)")
+        self.port, self.dir = free_port(), workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--daemonize", "no", "--dir", str(self.dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_for(self.ping, SERVICE_TIMEOUT_S, f"redis-server on port {self.port}")
+
+    def ping(self) -> bool:
+        try:
+            r = redis.Redis(port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5)
+            try:
+                return bool(r.ping())
+            finally:
+                r.close()
+        except (redis.RedisError, OSError):
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)  # only the process this suite started
+            self.proc.wait(10)
+        self.proc = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class OwnPostgres:
+    """A PostgreSQL cluster this suite made with ``initdb`` in a temporary folder, on a free port.
+
+    Run as root, ``initdb`` / ``pg_ctl`` run as the ``postgres`` user (``runuser``) and the folder is given to it.
+    Stopped with ``pg_ctl stop -m immediate`` on its own data folder; as a last resort its postmaster's PID (from
+    ``postmaster.pid``) is killed.
+    """
+
+    def __init__(self) -> None:
+        missing = [b for b in PG_BINARIES if shutil.which(b) is None]
+        if missing:
+            raise FaultSuiteError(f"{', '.join(missing)} not on PATH; install PostgreSQL's server binaries "
+                                  "(apt-get install postgresql) or put their bin folder on PATH")
+        self.port = free_port()
+        # A folder of its own under the system's temporary folder: the postgres user must reach it, and a caller's
+        # folder (pytest's tmp_path under /tmp/pytest-of-root, mode 0700) may not let it.
+        self.dir = Path(tempfile.mkdtemp(prefix="spectune-faults-pg-"))
+        self.data = self.dir / "data"
+        self._as_root = os.geteuid() == 0
+        if self._as_root:
+            import pwd
+
+            pw = pwd.getpwnam(PG_SUPERUSER)
+            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://{PG_SUPERUSER}@127.0.0.1:{self.port}/postgres?connect_timeout=2"
+
+    def _run(self, *args: str, timeout_s: float = 60) -> None:
+        cmd = [shutil.which(args[0]) or args[0], *args[1:]]
+        if self._as_root:
+            cmd = ["runuser", "-u", PG_SUPERUSER, "--", *cmd]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=self.dir)
+        if res.returncode != 0:
+            raise FaultSuiteError(f"{' '.join(args[:2])} failed ({res.returncode}): {res.stderr.strip()[-600:]}")
+
+    def init(self) -> None:
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", PG_SUPERUSER, "-E", "UTF8", "--no-sync")
+
+    def start(self) -> None:
+        opts = (f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off "
+                "-c max_connections=200")
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "pg.log"), "-w", "-t",
+                  str(int(SERVICE_TIMEOUT_S)), "-o", opts, "start")
+
+    def stop_immediate(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+
+    def postmaster_pid(self) -> int | None:
+        try:
+            return int((self.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def close(self) -> None:
+        """Stop the cluster (if it runs) and remove its folder."""
+        if self.postmaster_pid() is not None:
+            try:
+                self.stop_immediate()
+            except (FaultSuiteError, subprocess.TimeoutExpired):
+                pid = self.postmaster_pid()
+                if pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)  # our own postmaster, named by our own data folder
+                    time.sleep(0.5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------ spectune processes
+class SidecarProc:
+    """One ``spectune sidecar`` process of the suite."""
+
+    def __init__(self, workdir: Path, redis_url: str, db_url: str, name: str = "faults-sc") -> None:
+        self.workdir, self.redis_url, self.db_url, self.name = workdir, redis_url, db_url, name
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.starts = 0
+        self.killed_by_us = False
+
+    def start(self) -> None:
+        self.starts += 1
+        ready = self.workdir / f"{self.name}.{self.starts}.ready"
+        log = (self.workdir / f"{self.name}.{self.starts}.log").open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "controller.cli", "sidecar", "--redis-url", self.redis_url, "--db-url",
+             self.db_url, "--prefix", PREFIX, "--auto-upgrade", "--http-port", "0", "--ready-file", str(ready),
+             "--consumer", self.name, "--claim-idle-ms", "500", "--publish-every-s", "0.5",
+             "--publish-every-windows", "4"],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.close()
+        proc = self.proc
+
+        def up() -> Any:
+            if proc.poll() is not None:
+                raise FaultSuiteError(f"the sidecar exited with {proc.returncode} at start; see {log.name}")
+            return ready.exists() and ready.read_text() and json.loads(ready.read_text())
+
+        self.url = wait_for(up, READY_TIMEOUT_S, "the sidecar to serve")["url"]
+        self.killed_by_us = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.killed_by_us = True
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def health(self) -> dict[str, Any] | None:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                out: dict[str, Any] = json.loads(r.read())
+                return out
+        except (OSError, ValueError):
+            return None
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+class EngineProc:
+    """The reference engine (``spectune engine``) decoding through the whole suite, on its own engine id."""
+
+    ENGINE_ID = "faults-engine"
+
+    def __init__(self, workdir: Path, redis_url: str, profile: str, seed: int) -> None:
+        self.status = workdir / "engine.jsonl"
+        self.log = workdir / "engine.log"
+        self.args = ["engine", "--redis-url", redis_url, "--prefix", PREFIX, "--engine-id", self.ENGINE_ID,
+                     "--profile", profile, "--device", "cpu", "--workload", "steady", "--duration", "86400",
+                     "--load", "4", "--default-k", "2", "--status-file", str(self.status), "--seed", str(seed)]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "controller.cli", *self.args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+        proc = self.proc
+
+        def decoding() -> bool:
+            if proc.poll() is not None:
+                raise FaultSuiteError(f"the engine exited with {proc.returncode} at start; see {self.log}")
+            return any(x.get("rounds", 0) >= 3 for x in self.lines())
+
+        wait_for(decoding, READY_TIMEOUT_S, "the engine to decode", every_s=0.5)
+
+    def lines(self) -> list[dict[str, Any]]:
+        if not self.status.exists():
+            return []
+        out = []
+        for ln in self.status.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(ln))
+        return out
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> dict[str, Any]:
+        """SIGTERM (the engine flushes its telemetry), then its final status line."""
+        if self.proc is None:
+            return {}
+        crashed = self.proc.poll() is not None
+        if not crashed:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        final: dict[str, Any] = next((x for x in reversed(self.lines()) if x.get("final")), {})
+        return {"exit_code": self.proc.returncode, "crashed_before_stop": crashed, **final}
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+# ---------------------------------------------------------------------------------------------- the feeder
+def window_pool(n: int, rounds_per_window: int, seed: int) -> list[WindowBatch]:
+    """``n`` distinct well-formed windows of seeded synthetic rounds (engine id and seq are set when sent)."""
+    rounds = list(synthetic_rounds(n * rounds_per_window, seed=seed))
+    out = []
+    for i in range(n):
+        agg = aggregate(rounds[i * rounds_per_window:(i + 1) * rounds_per_window])
+        out.append(WindowBatch("pool", 0, 0.0, 0.25, agg.acceptance, agg.cost))
+    return out
+
+
+class Feeder:
+    """XADDs well-formed windows with known ids at an engine's pace; what Redis refused is sent again later.
+
+    ``sent`` counts XADDs Redis acknowledged (sequence numbers 1..sent, each once, though a pipeline cut by a
+    dying server may have added some twice: stored once, as redeliveries are).
+    """
+
+    def __init__(self, redis_url: str, engine_id: str, pool: list[WindowBatch], interval_s: float) -> None:
+        self.engine_id, self._pool, self._interval = engine_id, pool, interval_s
+        self._r = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=0.5)
+        self._stream = RedisKeys(PREFIX).windows
+        self.lock = threading.Lock()  # held around each XADD: the Redis kill waits for a quiet moment under it
+        self._outbox: list[tuple[int, bytes]] = []
+        self._next_seq = 1
+        self.sent = 0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"feeder-{engine_id}", daemon=True)
+
+    def start(self) -> Feeder:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        nxt = time.monotonic()
+        while not self._stop.is_set():
+            self.tick()
+            nxt += self._interval
+            self._stop.wait(max(0.0, nxt - time.monotonic()))
+
+    def tick(self) -> None:
+        seq = self._next_seq
+        self._next_seq += 1
+        now = time.time()
+        b = replace(self._pool[seq % len(self._pool)], engine_id=self.engine_id, seq=seq,
+                    window_start=now - self._interval, window_end=now)
+        self._outbox.append((seq, encode_batch(b)))
+        with self.lock:
+            try:
+                pipe = self._r.pipeline(transaction=False)
+                for _, payload in self._outbox:
+                    pipe.xadd(self._stream, {PAYLOAD_FIELD: payload})
+                pipe.execute()
+            except (redis.RedisError, OSError):
+                self.failures += 1
+                return
+            self.sent += len(self._outbox)
+            self._outbox.clear()
+
+    def stop(self) -> None:
+        """Stop feeding, then keep trying what is still waiting for a while (as the emitter's close does)."""
+        self._stop.set()
+        self._thread.join(10)
+        end = time.monotonic() + SETTLE_TIMEOUT_S
+        while self._outbox and time.monotonic() < end:
+            with self.lock:
+                try:
+                    pipe = self._r.pipeline(transaction=False)
+                    for _, payload in self._outbox:
+                        pipe.xadd(self._stream, {PAYLOAD_FIELD: payload})
+                    pipe.execute()
+                    self.sent += len(self._outbox)
+                    self._outbox.clear()
+                except (redis.RedisError, OSError):
+                    time.sleep(0.2)
+        self._r.close()
+
+    @property
+    def unsent(self) -> int:
+        return len(self._outbox)
+
+
+# ----------------------------------------------------------------------------------------------- observer
+@dataclass
+class Sample:
+    t: float  # time.time()
+    redis_up: bool
+    key_version: int | None  # the table's version at the key; None: absent or not a table
+    key_ours: bool  # the key holds a table of the store's (not forged, parses)
+    rss_mb: float | None
+
+
+class Observer:
+    """Polls the engines' policy key and the sidecar's RSS every ``POLL_S`` (a thread), and the feeder's stored
+    count every ``STORED_POLL_S``, for the figures and the timeline."""
+
+    def __init__(self, redis_url: str, sidecar: SidecarProc) -> None:
+        self._r = redis.Redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.2)
+        self._key = RedisKeys(PREFIX).policy
+        self._sidecar = sidecar
+        self.samples: list[Sample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="observer", daemon=True)
+
+    def start(self) -> Observer:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self.sample())
+            self._stop.wait(POLL_S)
+
+    def sample(self) -> Sample:
+        now = time.time()
+        pid = self._sidecar.pid if self._sidecar.alive() else None
+        mem = rss_mb(pid) if pid is not None else None
+        try:
+            raw = self._r.get(self._key)
+        except redis.ResponseError:  # WRONGTYPE: something that is not a table sits there
+            return Sample(now, True, None, False, mem[0] if mem else None)
+        except (redis.RedisError, OSError):
+            return Sample(now, False, None, False, mem[0] if mem else None)
+        version, ours = None, False
+        if raw is not None:
+            try:
+                t = policy_table_from_json(raw)
+                version, ours = t.version, not t.reason.startswith(FORGED_REASON)
+            except RecordError:
+                pass
+        return Sample(now, True, version, ours, mem[0] if mem else None)
+
+    def between(self, t0: float, t1: float) -> list[Sample]:
+        return [s for s in list(self.samples) if t0 <= s.t <= t1]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._r.close()
+
+
+def longest_absence(samples: Sequence[Sample], after: float = 0.0) -> float:
+    """Longest run of samples (from ``after`` on) that found Redis up and no table of the store's at the key."""
+    best, start = 0.0, None
+    for s in samples:
+        if s.t < after:
+            continue
+        bad = s.redis_up and not s.key_ours
+        if bad and start is None:
+            start = s.t
+        elif not bad and start is not None:
+            best, start = max(best, s.t - start), None
+    if start is not None and samples:
+        best = max(best, samples[-1].t - start)
+    return round(best, 3)
+
+
+# -------------------------------------------------------------------------------------------------- store
+class Counts:
+    """Counts in the suite's PostgreSQL (a short-lived connection per query: the server may be down)."""
+
+    def __init__(self, db_url: str) -> None:
+        self._url = db_url
+        self._engine: Engine | None = None
+
+    def _eng(self) -> Engine:
+        if self._engine is None:
+            self._engine = create_engine(self._url, pool_pre_ping=True, pool_size=2)
+        return self._engine
+
+    def stored(self, engine_id: str) -> tuple[int, int]:
+        """(distinct seq, rows) stored for ``engine_id``."""
+        with self._eng().connect() as c:
+            row = c.execute(text("SELECT count(DISTINCT seq), count(*) FROM ingested_batches WHERE engine_id = :e"),
+                            {"e": engine_id}).one()
+        return int(row[0]), int(row[1])
+
+    def stored_or_none(self, engine_id: str) -> int | None:
+        try:
+            return self.stored(engine_id)[0]
+        except Exception:  # PostgreSQL is down (that is a scenario): no reading this time
+            return None
+
+    def first_stored_after(self, engine_id: str, t: float) -> float | None:
+        with self._eng().connect() as c:
+            v = c.execute(text("SELECT min(ingested_at) FROM ingested_batches WHERE engine_id = :e AND "
+                               "ingested_at >= :t"), {"e": engine_id, "t": t}).scalar()
+        return None if v is None else float(v)
+
+    def latest_policy_version(self) -> int | None:
+        with self._eng().connect() as c:
+            v = c.execute(text("SELECT max(version) FROM policy_versions")).scalar()
+        return None if v is None else int(v)
+
+    def foreign_batches(self) -> int:
+        """Batches stored from senders other than the feeders and the reference engine (fuzz, forgers)."""
+        with self._eng().connect() as c:
+            return int(c.execute(text("SELECT count(*) FROM ingested_batches WHERE engine_id NOT LIKE 'feed-%' "
+                                      "AND engine_id != :e"), {"e": EngineProc.ENGINE_ID}).scalar() or 0)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+
+
+# ------------------------------------------------------------------------------------------- the suite
+@dataclass
+class Timeline:
+    """What the PNG draws for one scenario: feeder sent / stored over time, the fault's span, the key's state."""
+
+    t0: float
+    sent: list[tuple[float, int]] = field(default_factory=list)
+    stored: list[tuple[float, int]] = field(default_factory=list)
+    fault: tuple[float, float] | None = None
+
+
+class Suite:
+    """The services, the processes and the counters the scenarios share."""
+
+    def __init__(self, cfg: FaultConfig, workdir: Path, *, engine: bool, profile: str) -> None:
+        self.cfg, self.workdir = cfg, workdir
+        self.redis = OwnRedis(workdir)
+        self.pg = OwnPostgres()
+        self._want_engine, self._profile = engine, profile
+        self.sidecar: SidecarProc | None = None
+        self.engine: EngineProc | None = None
+        self.observer: Observer | None = None
+        self.counts: Counts | None = None
+        self.pool = window_pool(16, cfg.rounds_per_window, cfg.seed)
+        self.timelines: dict[str, Timeline] = {}
+        self.t_start = time.time()
+
+    def __enter__(self) -> Suite:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self.redis.start()
+        self.pg.init()
+        self.pg.start()
+        self.counts = Counts(self.pg.url)
+        self.sidecar = SidecarProc(self.workdir, self.redis.url, self.pg.url)
+        self.sidecar.start()
+        self.observer = Observer(self.redis.url, self.sidecar).start()
+        if self._want_engine:
+            self.engine = EngineProc(self.workdir, self.redis.url, self._profile, self.cfg.seed)
+            self.engine.start()
+
+    def close(self) -> None:
+        """Stop everything this suite started, newest first; each step runs even if an earlier one failed."""
+        steps: list[Callable[[], None] | None] = [
+            self.engine.close if self.engine else None, self.observer.close if self.observer else None,
+            self.sidecar.close if self.sidecar else None, self.counts.close if self.counts else None,
+            self.redis.kill, self.pg.close]
+        for step in steps:
+            if step is not None:
+                with contextlib.suppress(Exception):
+                    step()
+
+    # -- pieces the scenarios share
+    @property
+    def sc(self) -> SidecarProc:
+        assert self.sidecar is not None
+        return self.sidecar
+
+    @property
+    def db(self) -> Counts:
+        assert self.counts is not None
+        return self.counts
+
+    @property
+    def obs(self) -> Observer:
+        assert self.observer is not None
+        return self.observer
+
+    def warm_up(self, timeout_s: float = 60.0) -> None:
+        """Feed (engine id ``feed-warmup``) until the sidecar has published its first table."""
+        feeder = Feeder(self.redis.url, "feed-warmup", self.pool, self.cfg.feed_interval_s).start()
+        try:
+            self.wait_for_table(timeout_s)
+        finally:
+            feeder.stop()
+
+    def wait_for_table(self, timeout_s: float = 30.0) -> None:
+        wait_for(lambda: self.obs.sample().key_ours, timeout_s, "the sidecar's first table at the key")
+
+    def group_backlog(self) -> tuple[int, int] | None:
+        """(undelivered, pending) entries of the windows stream's consumer group; None when Redis is down."""
+        r = redis.Redis.from_url(self.redis.url, socket_timeout=1.0, socket_connect_timeout=0.5)
+        try:
+            for g in r.xinfo_groups(RedisKeys(PREFIX).windows):
+                if g["name"] in (GROUP, GROUP.encode()):
+                    return int(g.get("lag") or 0), int(g["pending"])
+            return None
+        except (redis.RedisError, OSError):
+            return None
+        finally:
+            r.close()
+
+    def wait_drained(self, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+        """True once the group has nothing undelivered and nothing pending."""
+        try:
+            wait_for(lambda: self.group_backlog() == (0, 0), timeout_s, "the sidecar to drain", every_s=0.1)
+            return True
+        except FaultSuiteError:
+            return False
+
+    def rejected(self) -> dict[str, int]:
+        h = self.sc.health() or {}
+        return dict(h.get("rejected") or {})
+
+    # -- one scenario's frame
+    @contextlib.contextmanager
+    def scenario(self, name: str, *, feed: bool = True) -> Iterator[dict[str, Any]]:
+        """Feeds (unless ``feed`` is False), lets the body inject its fault, then settles and counts.
+
+        The body fills ``rec`` with ``fault_at`` / ``returned_at`` (time.time()) and any extra figures.
+        """
+        print(f"[faults] {name} ...", flush=True)
+        tl = Timeline(time.time())
+        self.timelines[name] = tl
+        engine_alive_before = self.engine.alive() if self.engine else None
+        sidecar_starts = self.sc.starts
+        rej0 = self.rejected()
+        mem0 = rss_mb(self.sc.pid) if self.sc.pid else None
+        feeder = Feeder(self.redis.url, f"feed-{name}", self.pool, self.cfg.feed_interval_s) if feed else None
+        rec: dict[str, Any] = {"idle_rss_mb": round(mem0[0], 1) if mem0 else None}
+        stop_tl = threading.Event()
+
+        def track() -> None:
+            while not stop_tl.wait(STORED_POLL_S):
+                if feeder is not None:
+                    tl.sent.append((time.time(), feeder.sent))
+                    got = self.db.stored_or_none(feeder.engine_id)
+                    if got is not None:
+                        tl.stored.append((time.time(), got))
+
+        tracker = threading.Thread(target=track, daemon=True)
+        tracker.start()
+        if feeder is not None:
+            rec["_feeder"] = feeder
+            feeder.start()
+            time.sleep(self.cfg.before_s)
+        try:
+            yield rec
+        finally:
+            rec.pop("_feeder", None)
+            if feeder is not None:
+                time.sleep(self.cfg.after_s)
+                feeder.stop()
+                self.wait_drained()
+            stop_tl.set()
+            tracker.join(5)
+        t_end = time.time()
+        samples = self.obs.between(tl.t0, t_end)
+        if "fault_at" in rec:
+            tl.fault = (rec["fault_at"], rec.get("returned_at", rec["fault_at"]))
+        # figures
+        if feeder is not None:
+            try:
+                distinct, rows = wait_for(lambda: self._all_stored(feeder), SETTLE_TIMEOUT_S, "every window stored")
+            except FaultSuiteError:
+                distinct, rows = self.db.stored(feeder.engine_id)
+            tl.stored.append((time.time(), distinct))
+            tl.sent.append((time.time(), feeder.sent))
+            rec.update(windows_sent=feeder.sent, windows_stored=distinct, windows_lost=feeder.sent - distinct,
+                       windows_duplicated=rows - distinct, feeder_unsent=feeder.unsent,
+                       feeder_failures=feeder.failures)
+        else:
+            rec.update(windows_sent=0, windows_stored=0, windows_lost=0, windows_duplicated=0)
+        rec["engine_crashed"] = (engine_alive_before and not self.engine.alive()) if self.engine else None
+        restarted = self.sc.starts != sidecar_starts
+        rec["sidecar_crashed"] = not self.sc.alive() or (restarted and not rec.get("sidecar_killed_by_suite"))
+        rec.setdefault("sidecar_killed_by_suite", False)
+        rec.setdefault("recovery_s", None)
+        rec["policy_key_absent_s"] = max(rec.get("policy_key_absent_s", 0.0),
+                                         longest_absence(samples, after=tl.t0))
+        rec.setdefault("http_5xx", None)
+        rec.setdefault("http_p99_ms", None)
+        rss = [s.rss_mb for s in samples if s.rss_mb is not None]
+        mem1 = rss_mb(self.sc.pid) if self.sc.pid else None
+        rec["max_rss_mb"] = round(max(rss), 1) if rss else None
+        rec["hwm_rss_mb"] = round(mem1[1], 1) if mem1 else None
+        rej1 = self.rejected()
+        base = {} if restarted else rej0
+        reasons = {k: v - base.get(k, 0) for k, v in rej1.items() if v - base.get(k, 0) > 0}
+        rec["dead_letter_reasons"] = dict(sorted(reasons.items()))
+        rec["dead_lettered"] = sum(reasons.values())
+        rec["duration_s"] = round(t_end - tl.t0, 2)
+
+    def _all_stored(self, feeder: Feeder) -> tuple[int, int] | None:
+        distinct, rows = self.db.stored(feeder.engine_id)
+        return (distinct, rows) if distinct >= feeder.sent else None
+
+    def recovery(self, engine_id: str, returned_at: float) -> dict[str, float | None]:
+        """Seconds from a service's return to the first window stored and to a table of the store's at the key."""
+        first = wait_for(lambda: self.db.first_stored_after(engine_id, returned_at), SETTLE_TIMEOUT_S,
+                         "a window stored after the service returned", every_s=0.1)
+        table_at = None
+        with contextlib.suppress(FaultSuiteError):
+            table_at = wait_for(lambda: next((s.t for s in self.obs.between(returned_at, time.time())
+                                              if s.key_ours), None), SETTLE_TIMEOUT_S, "a table at the key")
+        return {"first_window_stored_s": round(first - returned_at, 3),
+                "table_present_s": None if table_at is None else round(max(0.0, table_at - returned_at), 3)}
+
+
+# ----------------------------------------------------------------------------------------------- scenarios
+def scenario_redis_kill(s: Suite) -> dict[str, Any]:
+    with s.scenario("redis_kill") as rec:
+        feeder: Feeder = rec["_feeder"]
+        # Kill at a quiet moment: the feeder held, nothing undelivered in the group (see the module docstring).
+        deadline = time.monotonic() + 10
+        while True:
+            feeder.lock.acquire()
+            backlog = s.group_backlog()
+            if (backlog is not None and backlog[0] == 0) or time.monotonic() > deadline:
+                break
+            feeder.lock.release()
+            time.sleep(0.01)
+        try:
+            rec["undelivered_at_kill"] = backlog[0] if backlog else None
+            rec["fault_at"] = time.time()
+            s.redis.kill()
+        finally:
+            feeder.lock.release()
+        time.sleep(s.cfg.redis_down_s)
+        s.redis.start()
+        rec["returned_at"] = time.time()
+        rec["recovery_s"] = s.recovery(feeder.engine_id, rec["returned_at"])
+        # The key is empty until the sidecar puts the table back: that gap is what the engines see.
+        rec["policy_key_absent_s"] = longest_absence(s.obs.between(rec["returned_at"], time.time()))
+    return rec
+
+
+def scenario_sidecar_kill(s: Suite) -> dict[str, Any]:
+    with s.scenario("sidecar_kill") as rec:
+        feeder: Feeder = rec["_feeder"]
+        rec["fault_at"] = time.time()
+        s.sc.kill9()
+        rec["sidecar_killed_by_suite"] = True
+        s.sc.start()
+        rec["returned_at"] = time.time()
+        rec["restart_s"] = round(rec["returned_at"] - rec["fault_at"], 3)
+        rec["recovery_s"] = s.recovery(feeder.engine_id, rec["returned_at"])
+    return rec
+
+
+def scenario_postgres_stop(s: Suite) -> dict[str, Any]:
+    with s.scenario("postgres_stop") as rec:
+        feeder: Feeder = rec["_feeder"]
+        rec["fault_at"] = time.time()
+        s.pg.stop_immediate()
+        time.sleep(s.cfg.pg_down_s)
+        s.pg.start()
+        rec["returned_at"] = time.time()
+        rec["recovery_s"] = s.recovery(feeder.engine_id, rec["returned_at"])
+        h = s.sc.health() or {}
+        rec["store_failures"] = h.get("store_failures")
+    return rec
+
+
+# ---- fuzz
+def fuzz_payloads(n: int, pool_n: int, seed: int) -> list[dict[bytes, bytes]]:
+    """``n`` hostile stream entries (field -> value): hypothesis draws ``pool_n`` bases and mutations, a seeded
+    mutator derives the rest from those draws."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    from telemetry import wire
+
+    valid = window_pool(8, 20, seed + 1)
+    structs: list[type[Any]] = [wire._Batch, wire._Acceptance, wire._Cost, wire._Round, wire._Stat]
+    base = st.one_of(
+        st.builds(lambda i, e, q: _plain(replace(valid[i], engine_id=e, seq=q)),
+                  st.integers(0, len(valid) - 1), st.sampled_from(["fuzz", "fuzz-2"]), st.integers(1, 2**40)),
+        st.sampled_from(structs).flatmap(lambda t: st.from_type(t)).map(_struct_plain),
+    )
+    drawn: list[tuple[Any, int]] = []
+
+    @settings(max_examples=pool_n, database=None, derandomize=True, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(base, st.integers(0, 2**32 - 1))
+    def draw(doc: Any, salt: int) -> None:
+        drawn.append((doc, salt))
+
+    draw()
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        doc, salt = drawn[i % len(drawn)] if drawn else ({}, 0)
+        out.append(_mutate(doc, random.Random(rng.random() + salt)))
+    return out
+
+
+def _plain(b: WindowBatch) -> dict[str, Any]:
+    from telemetry.wire import window_batch_to_dict
+
+    return window_batch_to_dict(b)
+
+
+def _struct_plain(s: Any) -> Any:
+    import msgspec
+
+    try:
+        return msgspec.to_builtins(s)
+    except (TypeError, ValueError, OverflowError):
+        return {"unencodable": repr(s)[:200]}
+
+
+_HOSTILE: list[Any] = [None, True, -1, 0, 2**63, 2**64 + 1, -0.0, 1e308, "", "x" * 70, "co\x00de", "a|b", "\u00b2",
+                       [], {}, [[[]]], "NaN", 3.5]
+
+
+def _mutate(doc: Any, rng: random.Random) -> dict[bytes, bytes]:
+    """One hostile entry from a drawn document: a field changed, a type swapped, bytes flipped, ..."""
+    op = rng.randrange(10)
+    d = json.loads(json.dumps(doc, default=str)) if isinstance(doc, dict | list) else doc
+    if op <= 3 and isinstance(d, dict) and d:  # one field's value replaced by a hostile one (maybe deep)
+        target = d
+        for _ in range(rng.randrange(3)):
+            kids = [v for v in target.values() if isinstance(v, dict)] + [
+                x for v in target.values() if isinstance(v, list) for x in v if isinstance(x, dict)]
+            if not kids:
+                break
+            target = rng.choice(kids)
+        if target:
+            target[rng.choice(list(target))] = rng.choice(_HOSTILE)
+    elif op == 4 and isinstance(d, dict) and d:  # a field dropped
+        d.pop(rng.choice(list(d)))
+    elif op == 5:  # nesting past any recursion limit
+        return {PAYLOAD_FIELD.encode(): b"[" * 20_000 + b"]" * 20_000}
+    elif op == 6:  # bytes flipped in the encoding
+        raw = bytearray(json.dumps(d, default=str).encode())
+        for _ in range(rng.randrange(1, 8)):
+            if raw:
+                raw[rng.randrange(len(raw))] = rng.randrange(256)
+        return {PAYLOAD_FIELD.encode(): bytes(raw)}
+    elif op == 7:  # msgpack of the document, or truncated JSON
+        import msgpack
+
+        try:
+            return {PAYLOAD_FIELD.encode(): msgpack.packb(d)}
+        except (TypeError, ValueError, OverflowError):
+            return {PAYLOAD_FIELD.encode(): json.dumps(d, default=str).encode()[: rng.randrange(1, 40)]}
+    elif op == 8:  # no payload field, or an oversized one
+        if rng.random() < 0.5:
+            return {b"x": b"no payload field"}
+        return {PAYLOAD_FIELD.encode(): b"{" + b" " * ((1 << 20) + 10) + b"}"}
+    else:  # the document as drawn (from_type draws break the rules between fields already)
+        pass
+    try:
+        payload = json.dumps(d, allow_nan=True).encode()
+    except (TypeError, ValueError):
+        payload = repr(d).encode()
+    return {PAYLOAD_FIELD.encode(): payload}
+
+
+def scenario_fuzz(s: Suite) -> dict[str, Any]:
+    entries = fuzz_payloads(s.cfg.fuzz_entries, s.cfg.fuzz_pool, s.cfg.seed)
+    with s.scenario("fuzz") as rec:
+        h0 = s.sc.health() or {}
+        batches0 = s.db.foreign_batches()
+        r = redis.Redis.from_url(s.redis.url)
+        rec["fault_at"] = time.time()
+        for i in range(0, len(entries), 500):
+            pipe = r.pipeline(transaction=False)
+            for fields in entries[i:i + 500]:
+                pipe.xadd(RedisKeys(PREFIX).windows, fields)  # type: ignore[arg-type]
+            pipe.execute()
+        r.close()
+        rec["fuzz_entries"] = len(entries)
+        rec["drained"] = s.wait_drained(max(SETTLE_TIMEOUT_S, len(entries) / 200))
+        rec["returned_at"] = time.time()
+        rec["drain_s"] = round(rec["returned_at"] - rec["fault_at"], 2)
+        h1 = s.sc.health() or {}
+        rec["fuzz_stored"] = s.db.foreign_batches() - batches0  # valid after all (a mutation that kept the rules)
+        rec["fuzz_duplicates"] = int(h1.get("duplicates_skipped", 0)) - int(h0.get("duplicates_skipped", 0))
+    rec["fuzz_unaccounted"] = rec["fuzz_entries"] - rec["dead_lettered"] - rec["fuzz_stored"] - rec["fuzz_duplicates"]
+    return rec
+
+
+# ---- cardinality
+def forged_type_batches(n: int, seed: int) -> list[bytes]:
+    """``n`` well-formed windows, each naming a request type never seen before."""
+    pool = window_pool(4, 20, seed + 2)
+    out = []
+    for i in range(n):
+        b = pool[i % len(pool)]
+        acc = tuple(AcceptanceWindow(**{**a.__dict__, "request_type": f"forged-{i:05d}"}) for a in b.acceptance)
+        out.append(encode_batch(replace(b, engine_id="forger", seq=i + 1, acceptance=acc)))
+    return out
+
+
+def scenario_forged_types(s: Suite) -> dict[str, Any]:
+    payloads = forged_type_batches(s.cfg.forged_types, s.cfg.seed)
+    with s.scenario("forged_types") as rec:
+        r = redis.Redis.from_url(s.redis.url)
+        rec["fault_at"] = time.time()
+        for i in range(0, len(payloads), 100):
+            pipe = r.pipeline(transaction=False)
+            for p in payloads[i:i + 100]:
+                pipe.xadd(RedisKeys(PREFIX).windows, {PAYLOAD_FIELD: p})
+            pipe.execute()
+        r.close()
+        rec["forged_windows"] = len(payloads)
+        rec["drained"] = s.wait_drained()
+        rec["returned_at"] = time.time()
+        rec["drain_s"] = round(rec["returned_at"] - rec["fault_at"], 2)
+        rec["forged_stored"] = s.db.stored("forger")[0]
+        h = s.sc.health() or {}
+        rec["tracked"] = h.get("tracked")
+    rec["forged_unaccounted"] = rec["forged_windows"] - rec["forged_stored"] - sum(
+        v for k, v in rec["dead_letter_reasons"].items() if k.startswith("too_many"))
+    return rec
+
+
+# ---- forged tables
+def scenario_forged_tables(s: Suite) -> dict[str, Any]:
+    key = RedisKeys(PREFIX).policy
+    with s.scenario("forged_tables") as rec:
+        s.wait_for_table()
+        r = redis.Redis.from_url(s.redis.url)
+        rec["fault_at"] = time.time()
+        held: dict[str, float | None] = {}
+        latest = s.db.latest_policy_version() or 1
+        forged = PolicyTable(version=2**40, default_k=7, k_max=8, entries={"*|*|*|*|*": 7}, reason=FORGED_REASON)
+        big = json.loads(table_to_json(replace(forged, version=latest + 1000)))
+        big["reason"] = FORGED_REASON + " " * MAX_TABLE_BYTES
+        cases: list[tuple[str, Callable[[], Any]]] = [
+            ("ahead", lambda: r.set(key, table_to_json(forged))),
+            ("stale", lambda: r.set(key, table_to_json(replace(forged, version=0, default_k=1,
+                                                                entries={"*|*|*|*|*": 1})))),
+            ("oversized", lambda: r.set(key, json.dumps(big))),
+            ("garbage", lambda: r.set(key, b"{garbage \x00\xff")),
+            ("wrong_redis_type", lambda: (r.delete(key), r.hset(key, "version", str(2**40)))),
+            ("deleted", lambda: r.delete(key)),
+        ]
+        for name, write in cases:
+            s.wait_for_table(10)
+            t0 = time.time()
+            write()
+            r.publish(RedisKeys(PREFIX).policy_updates, str(2**40))
+            try:
+                wait_for(lambda: s.obs.sample().key_ours, 10.0, f"the sidecar to replace the {name} table")
+                held[name] = round(time.time() - t0, 3)
+            except FaultSuiteError:
+                held[name] = None  # not replaced within 10 s
+                with contextlib.suppress(redis.RedisError):
+                    r.delete(key)  # let the next case start clean
+        r.close()
+        rec["returned_at"] = time.time()
+        rec["forged_held_s"] = held  # None: still there after 10 s (the timeline's absence covers it)
+        h = s.sc.health() or {}
+        rec["policy_version_ahead"] = h.get("policy_version_ahead")
+        if s.engine is not None:
+            time.sleep(1.0)
+            last = (s.engine.lines() or [{}])[-1]
+            rec["engine_policy_version"] = last.get("version")
+            rec["store_policy_version"] = s.db.latest_policy_version()
+            rec["engine_rejected"] = last.get("rejected")
+    return rec
+
+
+# ---- HTTP
+def _http(port: int, method: str, path: str, body: bytes = b"", timeout_s: float = 10.0) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as c:
+        head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        c.sendall(head.encode() + body)
+        data = b""
+        while chunk := c.recv(65536):
+            data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+HOSTILE_REQUESTS: list[tuple[str, str, bytes]] = [
+    ("POST", "/pins", b'{"bucket": "*|*|*|*|*", "k": ' + b"7" * 5000 + b"}"),
+    ("POST", "/pins", b"[" * 5000 + b"]" * 5000),
+    ("POST", "/pins", b'{"bucket": "' + b"{" * 3000 + b'", "k": 1}'),
+    ("POST", "/pins", json.dumps({"bucket": "t|d|co\x00de|8|*", "k": 1}).encode()),
+    ("POST", "/pins", json.dumps({"bucket": "*|*|*|\u00b2|*", "k": 1}).encode()),
+    ("POST", "/pins", json.dumps({"bucket": "*|*|*|*|*", "k": -1}).encode()),
+    ("POST", "/pins", json.dumps({"bucket": "*|*|*|*|*", "k": True}).encode()),
+    ("POST", "/pins", b"\xff\xfe not utf-8"),
+    ("POST", "/pins", b"[1, 2, 3]"),
+    ("DELETE", "/pins/t%7Cd%7Cx%00%7C8%7C*", b""),
+    ("GET", "/deadletter?limit=" + "9" * 5000, b""),
+    ("GET", "/alerts?unacked=2", b""),
+    ("GET", "/nowhere", b""),
+]
+PLAIN_REQUESTS: list[tuple[str, str, bytes]] = [
+    ("GET", "/health", b""), ("GET", "/policy", b""), ("GET", "/pins", b""), ("GET", "/metrics", b""),
+    ("GET", "/deadletter?limit=5", b""), ("GET", "/policy/history?limit=3", b""), ("GET", "/alerts?limit=5", b""),
+]
+
+
+def scenario_http(s: Suite) -> dict[str, Any]:
+    port = int(s.sc.url.rsplit(":", 1)[1])
+    rng = random.Random(s.cfg.seed)
+    reqs = [rng.choice(HOSTILE_REQUESTS if i % 2 else PLAIN_REQUESTS) for i in range(s.cfg.http_requests)]
+    with s.scenario("http") as rec:
+        idle = []
+        for _ in range(s.cfg.idle_connections):
+            with contextlib.suppress(OSError):
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        rec["idle_connections_open"] = len(idle)
+        rec["fault_at"] = time.time()
+
+        def one(req: tuple[str, str, bytes]) -> tuple[int, float]:
+            t0 = time.perf_counter()
+            try:
+                code = _http(port, *req)
+            except OSError:
+                code = -1  # no answer at all (connection refused, reset, timeout)
+            return code, (time.perf_counter() - t0) * 1e3
+
+        with ThreadPoolExecutor(s.cfg.http_clients) as ex:
+            results = list(ex.map(one, reqs))
+        rec["returned_at"] = time.time()
+        for c in idle:
+            c.close()
+        codes: dict[str, int] = {}
+        for code, _ in results:
+            codes[str(code)] = codes.get(str(code), 0) + 1
+        lat = [ms for _, ms in results]
+        rec["http_requests"] = len(results)
+        rec["http_codes"] = dict(sorted(codes.items()))
+        rec["http_5xx"] = sum(n for c, n in codes.items() if c.startswith("5"))
+        rec["http_no_answer"] = codes.get("-1", 0)
+        rec["http_p50_ms"] = round(statistics.median(lat), 2)
+        rec["http_p99_ms"] = round(pct(lat, 99) or 0.0, 2)
+        rec["http_max_ms"] = round(max(lat), 2)
+        rec["http_bad_input_5xx"] = sum(1 for req, (code, _) in zip(reqs, results, strict=True)
+                                        if req in HOSTILE_REQUESTS and code >= 500)
+    return rec
+
+
+# ---- scale-out (another engineer's module)
+def scenario_scaleout(s: Suite) -> dict[str, Any]:
+    try:
+        from bench._faults_scaleout import run_scaleout  # type: ignore[import-not-found,unused-ignore]
+    except Exception as e:  # not written yet, or broken: recorded, never fatal
+        return {"skipped": f"bench._faults_scaleout not importable: {type(e).__name__}: {e}"}
+    db = "scaleout"
+    eng = create_engine(s.pg.url, isolation_level="AUTOCOMMIT")
+    try:
+        with eng.connect() as c:
+            c.execute(text(f"DROP DATABASE IF EXISTS {db}"))
+            c.execute(text(f"CREATE DATABASE {db}"))
+    finally:
+        eng.dispose()
+    url = s.pg.url.replace("/postgres?", f"/{db}?")
+    try:
+        out = run_scaleout(s.redis.url, url, windows=s.cfg.scaleout_windows, seed=s.cfg.seed)
+    except Exception as e:
+        return {"skipped": f"run_scaleout failed: {type(e).__name__}: {e}"}
+    return dict(out)
+
+
+RUNNERS: dict[str, Callable[[Suite], dict[str, Any]]] = {
+    "redis_kill": scenario_redis_kill, "sidecar_kill": scenario_sidecar_kill,
+    "postgres_stop": scenario_postgres_stop, "fuzz": scenario_fuzz, "forged_types": scenario_forged_types,
+    "forged_tables": scenario_forged_tables, "http": scenario_http, "scaleout": scenario_scaleout,
+}
+
+
+# ------------------------------------------------------------------------------------------------ targets
+def evaluate(scenarios: dict[str, dict[str, Any]], engine: dict[str, Any] | None) -> dict[str, Any]:
+    """Each target with its measured value and whether it was met (None: not measured in this run)."""
+    ran = {k: v for k, v in scenarios.items() if "skipped" not in v and "error" not in v}
+
+    def worst(field_: str, fn: Callable[[Any], float | None] = lambda v: v) -> float | None:
+        vals = [fn(r.get(field_)) for r in ran.values() if r.get(field_) is not None]
+        got = [v for v in vals if v is not None]
+        return max(got) if got else None
+
+    def rec_max(r: Any) -> float | None:  # a figure that never came counts as the whole settle timeout
+        vals = [SETTLE_TIMEOUT_S if v is None else v for v in (r or {}).values()]
+        return max(vals) if vals else None
+
+    lost = sum(r.get("windows_lost", 0) for r in ran.values()) + (engine or {}).get("windows_lost", 0)
+    dup = sum(r.get("windows_duplicated", 0) for r in ran.values()) + (engine or {}).get("windows_duplicated", 0)
+    crashes = sum(bool(r.get("engine_crashed")) + bool(r.get("sidecar_crashed")) for r in ran.values())
+    ft = ran.get("forged_types", {})
+    ratio = (ft["max_rss_mb"] / ft["idle_rss_mb"]) if ft.get("max_rss_mb") and ft.get("idle_rss_mb") else None
+    http = ran.get("http", {})
+    recovery = worst("recovery_s", rec_max)
+    absent = worst("policy_key_absent_s")
+    fuzz_left = ran.get("fuzz", {}).get("fuzz_unaccounted")
+
+    def t(value: Any, limit: Any, ok: bool | None) -> dict[str, Any]:
+        return {"value": value, "target": limit, "met": ok}
+
+    return {
+        "windows_lost": t(lost, 0, lost == 0),
+        "windows_duplicated": t(dup, 0, dup == 0),
+        "crashes": t(crashes, 0, crashes == 0),
+        "recovery_s": t(recovery, TARGET_RECOVERY_S, None if recovery is None else recovery <= TARGET_RECOVERY_S),
+        "policy_key_absent_s": t(absent, TARGET_POLICY_ABSENT_S,
+                                 None if absent is None else absent <= TARGET_POLICY_ABSENT_S),
+        "http_5xx_on_bad_input": t(http.get("http_bad_input_5xx"), 0,
+                                   None if "http_bad_input_5xx" not in http else http["http_bad_input_5xx"] == 0),
+        "http_p99_ms": t(http.get("http_p99_ms"), TARGET_HTTP_P99_MS,
+                         None if http.get("http_p99_ms") is None else http["http_p99_ms"] <= TARGET_HTTP_P99_MS),
+        "rss_ratio_under_flood": t(None if ratio is None else round(ratio, 2), TARGET_RSS_RATIO,
+                                   None if ratio is None else ratio <= TARGET_RSS_RATIO),
+        "fuzz_unaccounted": t(fuzz_left, 0, None if fuzz_left is None else fuzz_left == 0),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ the run
+def run(cfg: FaultConfig, *, scenarios: Sequence[str] = SCENARIOS, engine: bool = True, profile: str = "small",
+        workdir: Path | None = None) -> dict[str, Any]:
+    """Start the services, run ``scenarios`` in order, stop everything. Returns the JSON document."""
+    unknown = set(scenarios) - set(SCENARIOS)
+    if unknown:
+        raise ValueError(f"unknown scenarios {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
+    results: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as stack:
+        tmp = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="spectune-faults-")))
+        suite = stack.enter_context(Suite(cfg, tmp, engine=engine, profile=profile))
+        suite.start()
+        suite.warm_up()
+        for name in scenarios:
+            if name == "scaleout":
+                continue  # last, after the suite's own sidecar and engine are stopped (it runs its own)
+            try:
+                results[name] = RUNNERS[name](suite)
+            except FaultSuiteError as e:
+                results[name] = {"error": str(e)}
+                print(f"[faults] {name}: {e}", flush=True)
+        eng = None
+        if suite.engine is not None:
+            final = suite.engine.stop()
+            suite.wait_drained()
+            distinct, rows = suite.db.stored(EngineProc.ENGINE_ID)
+            sent = int(final.get("windows_sent", 0))
+            eng = {"profile": profile, "windows_sent": sent, "windows_stored": distinct,
+                   "windows_lost": sent - distinct, "windows_duplicated": rows - distinct,
+                   "windows_dropped_by_emitter": final.get("windows_dropped"), "exit_code": final.get("exit_code"),
+                   "crashed": bool(final.get("crashed_before_stop")), "rounds": final.get("rounds_recorded")}
+        sidecar_alive = suite.sc.alive()
+        suite.sc.close()
+        if "scaleout" in scenarios:
+            results["scaleout"] = scenario_scaleout(suite)
+        timelines = {k: {"t0": v.t0, "sent": v.sent, "stored": v.stored, "fault": v.fault}
+                     for k, v in suite.timelines.items()}
+        samples = [(s.t, s.redis_up, s.key_ours) for s in suite.obs.samples]
+    return {
+        "scenarios": results,
+        "engine": eng,
+        "sidecar_alive_at_end": sidecar_alive,
+        "targets": evaluate(results, eng),
+        "config": dict(cfg.__dict__),
+        "timelines": timelines,
+        "key_samples": samples,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ output
+def report(res: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"fault suite ({res.get('preset', '?')}, machine shared: figures are indicative)")
+    cols = ("scenario", "sent", "stored", "lost", "dup", "crash", "recovery s", "key absent s", "dead-lettered",
+            "5xx", "p99 ms", "RSS idle/max MB")
+    for c in cols:
+        t.add_column(c)
+    for name, r in res["scenarios"].items():
+        if "skipped" in r or "error" in r:
+            t.add_row(name, *[""] * 10, f"[yellow]{r.get('skipped') or r.get('error')}"[:80])
+            continue
+        rec = r.get("recovery_s") or {}
+        rec_s = "/".join("-" if v is None else f"{v:.2f}" for v in rec.values()) if rec else ""
+        crash = "engine" if r.get("engine_crashed") else ("sidecar" if r.get("sidecar_crashed") else "0")
+        t.add_row(name, str(r["windows_sent"]), str(r["windows_stored"]), str(r["windows_lost"]),
+                  str(r["windows_duplicated"]), crash, rec_s, f"{r['policy_key_absent_s']:.2f}",
+                  str(r["dead_lettered"]), "" if r["http_5xx"] is None else str(r["http_5xx"]),
+                  "" if r["http_p99_ms"] is None else f"{r['http_p99_ms']:.1f}",
+                  f"{r.get('idle_rss_mb')}/{r.get('max_rss_mb')}")
+    Console().print(t)
+    tt = Table(title="targets")
+    for c in ("target", "value", "limit", "met"):
+        tt.add_column(c)
+    for k, v in res["targets"].items():
+        met = {True: "[green]yes", False: "[red]NO", None: "not measured"}[v["met"]]
+        tt.add_row(k, str(v["value"]), str(v["target"]), met)
+    Console().print(tt)
+    if res.get("engine"):
+        print(f"engine: {res['engine']}")
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tls = res["timelines"]
+    n = max(1, len(tls))
+    fig, axes = plt.subplots(n, 1, figsize=(10, 1.9 * n + 0.6), squeeze=False)
+    samples = res.get("key_samples") or []
+    for ax, (name, tl) in zip(axes[:, 0], tls.items(), strict=False):
+        t0 = tl["t0"]
+        if tl["sent"]:
+            ax.step([t - t0 for t, _ in tl["sent"]], [v for _, v in tl["sent"]], where="post", label="sent")
+        if tl["stored"]:
+            ax.step([t - t0 for t, _ in tl["stored"]], [v for _, v in tl["stored"]], where="post", label="stored")
+        if tl["fault"]:
+            a, b = tl["fault"]
+            ax.axvspan(a - t0, max(b, a + 0.05) - t0, color="crimson", alpha=0.2, label="fault")
+        end = max([t for t, _ in tl["sent"]] + [t0 + 1])
+        bad = [(t - t0) for t, up, ours in samples if t0 <= t <= end and (not up or not ours)]
+        if bad:
+            ymax = max([v for _, v in tl["sent"]] + [1])
+            ax.scatter(bad, [ymax * 1.05] * len(bad), marker="|", color="black", s=30,
+                       label="no table of ours at key / Redis down")
+        ax.set_ylabel("windows")
+        ax.set_title(name, fontsize=9, loc="left")
+        ax.legend(fontsize=6, loc="upper left")
+    axes[-1, 0].set_xlabel("seconds since the scenario began")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="spectune bench faults",
+                                 description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true", help="short outages, small counts (a smoke run)")
+    ap.add_argument("--profile", choices=("small", "xl"), default="small", help="the reference engine's models")
+    ap.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for faults.json / faults.png")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset, in order")
+    ap.add_argument("--no-engine", action="store_true", help="feeders only, no reference engine process")
+    args = ap.parse_args(argv)
+    cfg = PRESETS["quick" if args.quick else "full"]
+
+    def on_term(*_: object) -> None:
+        raise KeyboardInterrupt  # unwinds through the suite's cleanup, as Ctrl-C does
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        res = run(cfg, scenarios=[s for s in args.scenarios.split(",") if s], engine=not args.no_engine,
+                  profile=args.profile)
+    except FaultSuiteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    res["preset"] = "quick" if args.quick else "full"
+    write_results(res, args.out / "faults.json", plot, report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
