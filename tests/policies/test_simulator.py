@@ -46,3 +46,18 @@ def test_simulator_covers_a_long_workload() -> None:
     specs = workload(cal.types, 100_000, seed=2)
     res = simulate(StaticPolicy(k=3), cal, specs, seed=0)
     assert res.rounds.sum() > 50_000
+
+
+def test_every_policy_spends_the_same_wall_time_in_every_stretch() -> None:
+    # Windows last window_s for every policy: a round that overshoots one window is owed by the next, so tok/s is
+    # not weighted by how each policy's round times round to whole rounds (k=0 and k=8 rounds differ several-fold).
+    cal = Calibration(FIXTURE)
+    specs = workload(cal.types, 20_000, seed=1)
+    window_s = 0.5
+    runs = [simulate(StaticPolicy(k=k), cal, specs, window_s=window_s, seed=4) for k in (0, 8)]
+    for r in runs:
+        clock = np.cumsum(r.seconds)
+        ends = window_s * np.arange(1, len(specs) + 1)
+        longest = float(np.max(r.seconds / r.rounds))  # one round's wall time, at most
+        assert np.all(np.abs(clock - ends) <= 2 * longest)  # within a round (noise makes rounds differ a little)
+    assert runs[0].seconds.sum() == pytest.approx(runs[1].seconds.sum(), rel=0.01)
