@@ -40,6 +40,7 @@ RENEWS_PER_LEASE = 3  # renew every lease/3: two renewals may fail before the le
 CLOCK_DRIFT = 0.01  # a holder trusts its lease 1% less than lease_ms (as Redlock), for clock rate differences
 CLOCK_DRIFT_MS = 2  # ... and 2 ms less again
 MAX_SOCKET_TIMEOUT_S = 2.0  # a renew stuck longer than this is a failed renew
+EXPIRY_SLACK_S = 0.005  # a contender tries again this long after the holder's TTL says the lease runs out
 
 # KEYS[1] = lease key; ARGV[1] = token, ARGV[2] = lease ms. Extends the TTL only while the key holds the token.
 _RENEW_SCRIPT = """
@@ -141,11 +142,19 @@ class Lease:
             if self._holder:
                 return self.renew()
             sent = time.monotonic()
-            ok = bool(self._call("acquire",
-                                 lambda: self._r.set(self.key, self.token, nx=True, px=self.config.lease_ms)))
-            if ok:
+
+            def run() -> Any:
+                pipe = self._r.pipeline(transaction=False)
+                pipe.set(self.key, self.token, nx=True, px=self.config.lease_ms)
+                pipe.pttl(self.key)  # when the holder's lease runs out: the next attempt is timed to it
+                return pipe.execute()
+
+            got, pttl = self._call("acquire", run)
+            if got:
                 self._became_leader(sent)
-            return ok
+            elif isinstance(pttl, int) and pttl >= 0:
+                self._next_attempt = min(self._next_attempt, sent + pttl / 1000 + EXPIRY_SLACK_S)
+            return bool(got)
 
     def renew(self) -> bool:
         """Extend the lease while the key still holds this contender's token; False (and a loss) otherwise.
@@ -196,7 +205,7 @@ class Lease:
         with self._lock:
             now = time.monotonic()
             if now >= self._next_attempt:
-                self._next_attempt = now + self.config.renew_every_s
+                self._next_attempt = now + self.config.renew_every_s  # try_acquire may bring it forward
                 try:
                     self.try_acquire()
                 except TransportError as e:

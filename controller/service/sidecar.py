@@ -227,6 +227,7 @@ class Sidecar:
         # with a lease the policy learns every consumer's windows from the store (see the module docstring)
         self._feed = WindowFeed(store, config.feed) if lease is not None else None
         self._feed_ready = False  # the feed's start position is set (by the replay, or at the store's top)
+        self._leader_since: float | None = None  # wall-clock seconds this sidecar last became the leader
         self.metrics.on_leadership(self._leader, changed=False)
         self._resume()
 
@@ -371,6 +372,7 @@ class Sidecar:
             self._kept = {}  # decided afresh by this policy
             self._next_tick = 0.0  # decide at once
             self._leader = True
+            self._leader_since = time.time()
         self.metrics.on_leadership(True, changed=True)
         log.info("leader lease %s acquired: caught up from the store, continuing from v%d", self.lease_key,
                  self._version)
@@ -714,7 +716,8 @@ class Sidecar:
         """The lease and the store feed, for :meth:`health`: who may decide, how often it changed."""
         assert self.lease is not None and self._feed is not None
         ls = self.lease.stats()
-        return {"key": self.lease.key, "lease_ms": self.lease.config.lease_ms, "acquisitions": ls.acquisitions,
+        return {"key": self.lease.key, "lease_ms": self.lease.config.lease_ms,
+                "leader_since": self._leader_since if self._leader else None, "acquisitions": ls.acquisitions,
                 "losses": ls.losses, "failures": ls.failures, "last_error": ls.last_error,
                 "feed": self._feed.stats()}
 

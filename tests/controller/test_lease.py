@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import redis
 from sqlalchemy import create_engine, text
 from synthetic_feed import feed
 
+from bench._faults_scaleout import run_scaleout
 from controller.service.lease import Lease, LeaseConfig
 from controller.service.publish import RedisPublisher
 from controller.service.sidecar import Sidecar, SidecarConfig
@@ -79,8 +81,8 @@ def test_a_dead_holder_is_replaced_after_its_ttl(redis_url: str, redis_prefix: s
 def test_a_holder_cut_off_from_redis_steps_down_by_its_local_deadline(redis_url: str, redis_prefix: str) -> None:
     a = lease(redis_url, redis_prefix, "a")
     assert a.tick()
-    a._r.connection_pool.reset()  # noqa: SLF001 - point the holder at a dead server from now on
-    a._r.connection_pool.connection_kwargs.update(port=1, host="127.0.0.1")  # noqa: SLF001
+    a._r.connection_pool.reset()  # point the holder at a dead server from now on
+    a._r.connection_pool.connection_kwargs.update(port=1, host="127.0.0.1")
     deadline = time.monotonic() + LeaseConfig(LEASE_MS).trusted_s
     while time.monotonic() < deadline - 0.05:
         assert a.tick()  # renewals fail, yet the lease Redis granted still stands
@@ -148,10 +150,11 @@ def test_a_stale_leader_whose_lease_expired_cannot_publish(redis_url: str, redis
     # a wakes up and, before any tick, tries to publish: its local deadline has passed, so it refuses
     assert a.publish_now("stale") is None and not a.health()["leader"]
     # even past the local check (a clock that lied), Redis no longer confirms its lease: no version is taken
-    a.lease._holder, a.lease._valid_until = True, time.monotonic() + 10  # noqa: SLF001
-    a._leader = True  # noqa: SLF001
+    assert a.lease is not None
+    a.lease._holder, a.lease._valid_until = True, time.monotonic() + 10
+    a._leader = True
     a.store.unpin("*|*|*|*|*")
-    assert a.publish_now("stale forced") is None and not a._leader  # noqa: SLF001
+    assert a.publish_now("stale forced") is None and not a._leader
     assert b.store.latest_policy_version().version == v_b  # type: ignore[union-attr]
     assert RedisPublisher(redis_url, redis_prefix).current_version() == v_b
     assert a.version == v_b  # it adopted the leader's table
@@ -188,3 +191,20 @@ def test_the_feed_hands_out_rows_committed_out_of_id_order(pg_url: str) -> None:
         acc, cost = f.poll()
         assert [w.id for w in acc] == [late] and cost == []  # delivered once it committed
         assert f.poll() == ([], []) and f.stats()["gaps_open"] == 0
+
+
+def test_three_sidecar_processes_fail_over_after_a_kill_9_of_the_leader(redis_url: str, pg_url: str) -> None:
+    lease_ms = 2000
+    res = run_scaleout(redis_url, pg_url, lease_ms=lease_ms, windows=160, seed=0)
+    detail = json.dumps(res, sort_keys=True)
+    assert res["leader_killed"] is not None and res["new_leader"] not in (None, res["leader_killed"]), detail
+    assert res["publishers_at_once"] == 1, detail
+    assert res["failover_s"] is not None and res["failover_s"] <= lease_ms / 1000 + 2, detail
+    assert res["table_flips"] == 0 and res["versions_published_twice"] == 0, detail
+    assert res["publisher_switches"] <= 1, detail  # the publisher changed at the failover, and only then
+    assert res["windows_sent"] == 160 and res["windows_lost"] == 0 and res["windows_duplicated"] == 0, detail
+    assert res["rounds_stored"] == res["rounds_sent"], detail
+    # the new leader's policy learned every stored window, though its own consumer stored only a share of them
+    assert res["leader_saw_peer_windows"], detail
+    assert res["new_leader_own_batches"] < res["windows_stored"], detail
+    assert not res["sidecar_crashed"], detail
