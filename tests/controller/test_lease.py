@@ -208,3 +208,31 @@ def test_three_sidecar_processes_fail_over_after_a_kill_9_of_the_leader(redis_ur
     assert res["leader_saw_peer_windows"], detail
     assert res["new_leader_own_batches"] < res["windows_stored"], detail
     assert not res["sidecar_crashed"], detail
+
+
+def test_without_a_lease_the_sidecar_always_leads(sqlite_url: str) -> None:
+    from controller.service.publish import CallbackPublisher
+    from telemetry.transport import InProcessTransport
+
+    with Store(sqlite_url, auto_upgrade=True) as store:
+        sc = Sidecar(SidecarConfig(consumer=ConsumerConfig(consumer="c", block_ms=5)), InProcessTransport(), store,
+                     REGISTRY["goodput"](k_max=8), CallbackPublisher())
+        h = sc.health()
+        assert h["leader"] is True and h["lease"] is None
+        assert "spectune_sidecar_leader 1.0" in sc.metrics.exposition().decode()
+
+
+def test_cli_lease_flags(capsys: pytest.CaptureFixture[str], redis_url: str, redis_prefix: str,
+                         sqlite_url: str) -> None:
+    from controller.cli import main
+
+    Store(sqlite_url, auto_upgrade=True).close()
+    base = ["sidecar", "--redis-url", redis_url, "--prefix", redis_prefix, "--db-url", sqlite_url,
+            "--http-port", "0", "--no-alerts", "--duration", "0.5"]
+    assert main([*base, "--lease-ms", "50"]) == 2
+    assert "lease_ms must be an int >= 100" in capsys.readouterr().err
+    assert main([*base, "--lease-ms", "1000"]) == 0
+    assert f"leader lease {redis_prefix}:leader (1000 ms)" in capsys.readouterr().out
+    assert redis.Redis.from_url(redis_url).get(f"{redis_prefix}:leader") is None  # released on a clean stop
+    assert main([*base, "--no-lease"]) == 0
+    assert "no lease (always the leader)" in capsys.readouterr().out
