@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict, replace
+
 import pytest
 from sqlalchemy import create_engine, inspect
 
@@ -79,6 +82,26 @@ def test_ingest_is_idempotent_and_round_trips(db_url: str) -> None:
         later = s.acceptance_windows(since_id=acc[9].id)
         assert [w.id for w in later] == [w.id for w in acc[10:]]
         assert len(s.sampled_rounds()) == 5
+        assert s.sampled_rounds()[0] == json.loads(json.dumps(asdict(batches[0].sampled_rounds[0])))
+
+
+def test_a_value_past_its_column_is_refused_on_postgresql_and_nothing_of_the_batch_is_stored(db_url: str) -> None:
+    # Counts are 64-bit on the wire; acceptance counts are INTEGER columns. PostgreSQL refuses what does not fit
+    # (the binary COPY refuses it before sending); SQLite's INTEGER holds 64 bits.
+    upgrade(db_url)
+    good, big = _batches(2)
+    a = big.acceptance[0]
+    huge = replace(a, rows=2**31)  # the store checks no rules: the wire did
+    big = replace(big, acceptance=(huge, *big.acceptance[1:]))
+    with Store(db_url) as s:
+        assert s.ingest([good]) == 1
+        if db_url.startswith("postgresql"):
+            with pytest.raises(StoreRejectedError, match="out of range"):
+                s.ingest([big])
+            assert s.batch_count() == 1 and len(s.acceptance_windows()) == len(good.acceptance)
+        else:
+            assert s.ingest([big]) == 1
+            assert s.acceptance_windows()[len(good.acceptance)].window == huge
 
 
 def test_queries_filter_by_model_pair_and_type(sqlite_url: str) -> None:
