@@ -33,12 +33,14 @@ class WindowFeedConfig:
     page: int = 5000  # new rows read per sequence per poll: bounds one poll's time and memory
     # An id missing below the newest one seen is waited for this long (a transaction still open), then skipped.
     gap_grace_s: float = 10.0
+    # Open gaps are looked at again this often (re-reading the rows above them); new rows are read every poll.
+    gap_recheck_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.page < 1:
             raise ValueError(f"WindowFeedConfig.page must be >= 1, got {self.page}")
-        if self.gap_grace_s < 0:
-            raise ValueError(f"WindowFeedConfig.gap_grace_s must be >= 0, got {self.gap_grace_s}")
+        if self.gap_grace_s < 0 or self.gap_recheck_s < 0:
+            raise ValueError("WindowFeedConfig.gap_grace_s and gap_recheck_s must be >= 0")
 
 
 class _IdTail:
@@ -49,6 +51,7 @@ class _IdTail:
         self.high = 0  # every id above this is unseen
         self.gaps: dict[int, float] = {}  # unseen id below high -> monotonic time it was first missed
         self.skipped = 0  # gaps given up on (never committed, or committed later than the grace)
+        self.next_gap_check = 0.0  # monotonic time the open gaps are read again
 
     def start_after(self, ids: Iterable[int]) -> None:
         """Mark ``ids`` seen (the start-up replay); ids missing between them are gaps from now on."""
@@ -58,7 +61,7 @@ class _IdTail:
             self.accept([_Id(i) for i in seen[1:]], time.monotonic())
 
     def since(self) -> int:
-        """The ``since_id`` of the next read: just below the lowest open gap, else the highest id seen."""
+        """The ``since_id`` that covers the open gaps: just below the lowest, else the highest id seen."""
         return min(self.gaps) - 1 if self.gaps else self.high
 
     def accept(self, rows: list[Any], now: float) -> list[Any]:
@@ -128,8 +131,10 @@ class WindowFeed:
         return acc, cost
 
     def _read(self, tail: _IdTail, query: Callable[..., list[Any]], now: float) -> list[Any]:
-        since = tail.since()
-        # while a gap is open the rows between it and the highest id seen are read again (and skipped)
+        since = tail.high
+        if tail.gaps and now >= tail.next_gap_check:
+            # the rows between the lowest open gap and the highest id seen are read again (and skipped)
+            since, tail.next_gap_check = tail.since(), now + self.config.gap_recheck_s
         rows = query(since_id=since, limit=self.config.page + (tail.high - since))
         return tail.accept(rows, now)
 

@@ -21,6 +21,8 @@ from telemetry.transport import RedisConfig, RedisKeys, RedisStreamsTransport
 from telemetry.window_feed import WindowFeed, WindowFeedConfig
 
 LEASE_MS = 300  # short enough for expiry tests to take a fraction of a second
+SIDECAR_LEASE_MS = 3000  # a sidecar's step on a busy machine must not outlast its lease
+STALE_LEASE_MS = 1000  # the stale-leader test waits this out
 
 
 def lease(redis_url: str, prefix: str, token: str, lease_ms: int = LEASE_MS) -> Lease:
@@ -92,12 +94,13 @@ def test_a_holder_cut_off_from_redis_steps_down_by_its_local_deadline(redis_url:
     a.close()
 
 
-def make(redis_url: str, prefix: str, db_url: str, name: str, token: str, **cfg) -> Sidecar:  # type: ignore[no-untyped-def]
+def make(redis_url: str, prefix: str, db_url: str, name: str, token: str, lease_ms: int = SIDECAR_LEASE_MS,  # type: ignore[no-untyped-def]
+         **cfg) -> Sidecar:
     rcfg = RedisConfig(prefix=prefix)
     return Sidecar(
         SidecarConfig(consumer=ConsumerConfig(consumer=name, count=4, block_ms=5), **cfg),
         RedisStreamsTransport(redis_url, rcfg), Store(db_url), REGISTRY["goodput"](k_max=8),
-        RedisPublisher(redis_url, prefix), lease=lease(redis_url, prefix, token))
+        RedisPublisher(redis_url, prefix), lease=lease(redis_url, prefix, token, lease_ms))
 
 
 def test_only_the_leader_publishes_and_it_learns_every_consumers_windows(redis_url: str, redis_prefix: str,
@@ -118,6 +121,7 @@ def test_only_the_leader_publishes_and_it_learns_every_consumers_windows(redis_u
     leader, follower = (a, b) if a.health()["leader"] else (b, a)
     assert leader.health()["leader"] and not follower.health()["leader"]
     assert follower.history == [] and leader.version >= 1  # ... deciding did not
+    assert leader.lease is not None and leader.lease.stats().losses == 0
     rows = len(leader.store.acceptance_windows()) + len(leader.store.cost_windows())
     assert leader.windows_observed == rows  # every consumer's windows, each once
     assert follower.windows_observed == rows  # the follower is a warm standby
@@ -134,12 +138,12 @@ def test_only_the_leader_publishes_and_it_learns_every_consumers_windows(redis_u
 def test_a_stale_leader_whose_lease_expired_cannot_publish(redis_url: str, redis_prefix: str, pg_url: str) -> None:
     Store(pg_url, auto_upgrade=True).close()
     feed(RedisStreamsTransport(redis_url, RedisConfig(prefix=redis_prefix)), 300, per_window=20)
-    a = make(redis_url, redis_prefix, pg_url, "a", "a", publish_every_windows=4)
+    a = make(redis_url, redis_prefix, pg_url, "a", "a", STALE_LEASE_MS, publish_every_windows=4)
     a.drain(idle_steps=3)
     assert a.health()["leader"] and a.version >= 1
     v_a = a.version
-    time.sleep(LEASE_MS / 1000 + 0.1)  # a stalls (no tick): its lease expires in Redis
-    b = make(redis_url, redis_prefix, pg_url, "b", "b", publish_every_windows=4)
+    time.sleep(STALE_LEASE_MS / 1000 + 0.1)  # a stalls (no tick): its lease expires in Redis
+    b = make(redis_url, redis_prefix, pg_url, "b", "b", STALE_LEASE_MS, publish_every_windows=4)
     assert b.windows_observed == a.windows_observed  # replayed the store at start-up
     b.step()
     assert b.health()["leader"] and b.version >= v_a  # caught up: continues from the store's version
