@@ -357,10 +357,13 @@ class Sidecar:
     def _take_over(self) -> None:
         """Become the leader: read every window stored so far, then continue from the store's newest table.
         On a store failure this sidecar holds the lease without deciding and tries again next step."""
+        assert self.lease is not None
         try:
             for _ in range(MAX_CATCH_UP_POLLS):
                 if not self._poll_feed(raise_errors=True):
                     break
+                if not self.lease.tick():  # a long catch-up keeps renewing; lost meanwhile: still a follower
+                    return
             latest = self.store.latest_policy_version()
         except StoreError as e:
             self._error(e)
