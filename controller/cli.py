@@ -290,6 +290,8 @@ def _sidecar(args: argparse.Namespace) -> int:
                                   PrometheusSink(metrics.registry), *([WebhookSink(webhook)] if webhook else [])]
         alerts = AlertManager(AlertConfig(), store=alert_store, sinks=sinks)
     lease = None if lease_cfg is None else Lease(args.redis_url, RedisKeys(args.prefix).leader, lease_cfg)
+    if lease is not None:
+        publisher.fence(lease.key, lease.token)  # the engines' key is written only while this sidecar leads
     sidecar = Sidecar(cfg, transport, store, REGISTRY[args.policy](k_max=args.k_max, seed=args.seed), publisher,
                       metrics, alerts=alerts, lease=lease)
     server = OperatorServer(sidecar, args.http_host, args.http_port).start()

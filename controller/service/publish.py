@@ -22,9 +22,18 @@ from telemetry.records import PolicyTable, RecordError
 from telemetry.transport import DEFAULT_PREFIX, RedisKeys
 from telemetry.urls import redact_url
 
-# KEYS[1] = table key, KEYS[2] = channel; ARGV[1] = table JSON, ARGV[2] = its version.
-# Returns 1 when written and published, 0 when the stored version is already >= ARGV[2].
-_CAS_SCRIPT = """
+# Fencing (scale-out): with KEYS[3] = the leader lease's key and ARGV[3] = this sidecar's lease token, nothing is
+# written unless the lease key holds that token at the moment of writing (-1), in the same atomic script: a leader
+# paused between its lease check and its publish cannot overwrite its successor's table.
+_FENCE = """
+if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[3] then
+  return -1
+end
+"""
+# KEYS[1] = table key, KEYS[2] = channel, KEYS[3] = lease key (or the table key, unused); ARGV[1] = table JSON,
+# ARGV[2] = its version, ARGV[3] = lease token ('' without a lease).
+# Returns 1 when written and published, 0 when the stored version is already >= ARGV[2], -1 when fenced.
+_CAS_SCRIPT = _FENCE + """
 local cur = redis.call('GET', KEYS[1])
 if cur then
   local ok, t = pcall(cjson.decode, cur)
@@ -32,6 +41,12 @@ if cur then
     return 0
   end
 end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('PUBLISH', KEYS[2], ARGV[2])
+return 1
+"""
+# The same keys and arguments; writes whatever is there (not a table of ours): 1, or -1 when fenced.
+_FORCE_SCRIPT = _FENCE + """
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('PUBLISH', KEYS[2], ARGV[2])
 return 1
@@ -46,6 +61,10 @@ if ok and type(t) == 'table' and tonumber(t['version']) then return string.forma
 return false
 """
 SOCKET_TIMEOUT_S = 2.0
+
+
+class FencedError(TransportError):
+    """The leader lease named in :meth:`RedisPublisher.fence` is not this sidecar's any more: nothing was written."""
 
 
 class Publisher(ABC):
@@ -121,22 +140,29 @@ class RedisPublisher(Publisher):
         keys = RedisKeys(prefix)
         self.key, self.channel = keys.policy, keys.policy_updates
         self._script = self._r.register_script(_CAS_SCRIPT)
+        self._force_script = self._r.register_script(_FORCE_SCRIPT)
         self._version_script = self._r.register_script(_VERSION_SCRIPT)
+        self._fence: tuple[str, str] | None = None
+
+    def fence(self, lease_key: str, token: str) -> None:
+        """Write only while ``lease_key`` holds ``token`` (this sidecar's leader lease), checked inside the write."""
+        self._fence = (lease_key, token)
 
     def publish(self, table: PolicyTable, force: bool = False) -> bool:
+        lease_key, token = self._fence or (self.key, "")
+        script = self._force_script if force else self._script
         try:
-            if force:
-                pipe = self._r.pipeline(transaction=True)  # MULTI: the value and the nudge together
-                pipe.set(self.key, table_to_json(table))
-                pipe.publish(self.channel, table.version)
-                pipe.execute()
-                return True
-            return bool(self._script(keys=[self.key, self.channel], args=[table_to_json(table), table.version]))
+            done = int(script(keys=[self.key, self.channel, lease_key], args=[table_to_json(table), table.version,
+                                                                             token]))
         except (RedisError, OSError) as e:
             raise TransportError(
                 f"publishing policy v{table.version} to Redis at {self._shown} failed: {e}; "
                 "check that Redis is running; the sidecar retries on its next tick"
             ) from e
+        if done < 0:
+            raise FencedError(f"policy v{table.version} not published: the leader lease {lease_key} is not this "
+                              "sidecar's any more (another sidecar leads)")
+        return done == 1
 
     def _read(self, read: Callable[[], Any]) -> Any:
         """One read of the policy key, Redis errors translated; the raw value, None when the key is absent."""

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from controller.service.lease import Lease
 from controller.service.metrics import SidecarMetrics
-from controller.service.publish import Publisher
+from controller.service.publish import FencedError, Publisher
 from policies.base import Decision, Policy, cell_key
 from telemetry.alerts import ACCEPTANCE_DRIFT, Alert
 from telemetry.cardinality import CardinalityGate, CardinalityLimits
@@ -650,6 +650,9 @@ class Sidecar:
                 self._delivered()
                 return
             self._newer_than_mine(there)
+        except FencedError as e:  # Redis says another sidecar holds the lease: this one follows from now on
+            self._error(e)
+            self._step_down("a publish was fenced off")
         except TransportError as e:
             self._publisher_ok = False
             self._error(e)

@@ -240,3 +240,28 @@ def test_cli_lease_flags(capsys: pytest.CaptureFixture[str], redis_url: str, red
     assert redis.Redis.from_url(redis_url).get(f"{redis_prefix}:leader") is None  # released on a clean stop
     assert main([*base, "--no-lease"]) == 0
     assert "no lease (always the leader)" in capsys.readouterr().out
+
+
+def test_the_publish_itself_is_fenced_by_the_lease_token(redis_url: str, redis_prefix: str) -> None:
+    # A leader paused between its lease check and its write (GC, a stalled machine) must not overwrite its
+    # successor's table: the publish script checks the lease key holds this sidecar's token as it writes.
+    from controller.service.publish import FencedError
+    from telemetry.records import PolicyTable
+
+    keys = RedisKeys(redis_prefix)
+    r = redis.Redis.from_url(redis_url)
+    pub = RedisPublisher(redis_url, redis_prefix)
+    pub.fence(keys.leader, "old-leader")
+    try:
+        r.set(keys.leader, "new-leader")
+        for force in (False, True):
+            with pytest.raises(FencedError, match="leader lease"):
+                pub.publish(PolicyTable(version=7, default_k=2, k_max=8, reason="stale"), force=force)
+        assert r.get(keys.policy) is None  # nothing written, no nudge
+        r.set(keys.leader, "old-leader")
+        assert pub.publish(PolicyTable(version=7, default_k=2, k_max=8, reason="leads"))
+        assert json.loads(r.get(keys.policy) or b"{}")["version"] == 7
+    finally:
+        pub.close()
+        r.delete(keys.leader, keys.policy)
+        r.close()
