@@ -181,3 +181,80 @@ def test_in_process_transport_has_the_same_semantics(sqlite_url: str) -> None:
         assert len(got) == 4 and store.batch_count() == 4
         assert c.stats().rejected == {"undecodable": 1}
     assert t.pending == 0 and [d.reason for d in t.dead_letters()] == ["undecodable"]
+
+
+def test_one_read_in_several_store_chunks_stores_the_good_once_dead_letters_the_bad_counts_the_duplicate(
+    redis_transport: RedisStreamsTransport, db_url: str
+) -> None:
+    # One read of 9 entries, stored 2 at a time: a redelivered batch and an invalid one sit between good ones,
+    # some chunks mixing them.
+    upgrade(db_url)
+    bad = _valid_dict(4)
+    bad["acceptance"][0]["drafted"] += 1
+    payloads = [encode_batch(_valid_batch(seq)) for seq in (1, 2, 3)]
+    payloads += [json.dumps(bad).encode(), encode_batch(_valid_batch(2))]  # invalid; then a duplicate of seq 2
+    payloads += [encode_batch(_valid_batch(seq)) for seq in (5, 6, 7, 8)]
+    redis_transport.publish(payloads)
+    with Store(db_url) as store:
+        c = Consumer(redis_transport, store, ConsumerConfig(consumer="c", count=9, store_chunk=2, block_ms=50))
+        got = c.step()
+        assert [b.seq for b in got] == [1, 2, 3, 5, 6, 7, 8]  # in the order read, each once
+        s = c.stats()
+        assert (s.received, s.stored, s.duplicates, s.rejected) == (9, 7, 1, {"bad_drafted": 1})
+        assert store.batch_count() == 7
+        assert [w.window for w in store.acceptance_windows()] == [a for b in got for a in b.acceptance]
+    assert [d.reason for d in redis_transport.dead_letters()] == ["bad_drafted"]
+    assert redis_transport.client.xpending(redis_transport.stream, GROUP)["pending"] == 0
+
+
+def test_a_store_failure_mid_read_keeps_the_chunks_before_and_leaves_the_rest_pending(
+    redis_transport: RedisStreamsTransport, sqlite_url: str
+) -> None:
+    from unittest import mock
+
+    from telemetry.errors import StoreError
+
+    upgrade(sqlite_url)
+    redis_transport.publish([encode_batch(_valid_batch(seq)) for seq in range(1, 7)])
+    with Store(sqlite_url) as store:
+        real = store.ingest_new
+        calls: list[int] = []
+
+        def second_fails(batches: list[WindowBatch]) -> list[WindowBatch]:
+            calls.append(len(batches))
+            if len(calls) == 2:
+                raise StoreError("database down")
+            return real(batches)
+
+        cfg = ConsumerConfig(consumer="c", count=6, store_chunk=2, block_ms=50, claim_min_idle_ms=0,
+                             claim_interval_s=0.0, backoff_s=0.0)
+        c = Consumer(redis_transport, store, cfg)
+        with mock.patch.object(store, "ingest_new", side_effect=second_fails):
+            assert [b.seq for b in c.step()] == [1, 2]  # the third chunk is not stored after the failure
+        s = c.stats()
+        assert (s.stored, s.store_failures, s.store_ok) == (2, 1, False)
+        assert redis_transport.client.xpending(redis_transport.stream, GROUP)["pending"] == 4
+        assert sorted(b.seq for b in _drain(c, 4)) == [3, 4, 5, 6]  # claimed back, each stored once
+        assert c.stats().reclaimed == 4 and store.batch_count() == 6
+    assert redis_transport.client.xpending(redis_transport.stream, GROUP)["pending"] == 0
+
+
+def test_the_collector_is_paused_only_during_a_step() -> None:
+    import gc
+
+    from telemetry.ingest import _collector_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), _collector_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a step failed")
+    assert gc.isenabled()  # back on, even after an error
+    gc.disable()
+    try:
+        with _collector_paused():
+            pass
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError, match="store_chunk"):
+        ConsumerConfig(consumer="c", store_chunk=0)
