@@ -22,11 +22,10 @@ from telemetry.records import (
     AcceptanceWindow,
     BucketConfig,
     CostWindow,
-    RecordError,
     RoundRecord,
     Stat,
 )
-from telemetry.wire import check_round
+from telemetry.wire import check_rounds
 
 LATENCY_PERCENTILES = (50.0, 95.0, 99.0)  # what operators read off latency dashboards
 
@@ -116,10 +115,9 @@ def aggregate(rounds: Iterable[RoundRecord], buckets: BucketConfig = DEFAULT_BUC
     row_counts: dict[tuple[str, str, str, int, int, int, int], int] = {}
     get_count = row_counts.get
     n = 0
-    for r in rounds:
-        try:
-            check_round(r)  # the wire's rules for a round: what the sidecar would refuse is left out here
-        except RecordError as err:
+    rounds = list(rounds)
+    for r, err in zip(rounds, check_rounds(rounds), strict=True):
+        if err is not None:  # the wire's rules for a round: what the sidecar would refuse is left out here
             rejected[err.reason] = rejected.get(err.reason, 0) + 1
             continue
         n += 1

@@ -4,9 +4,9 @@ Each travelling record has one wire definition here (a ``msgspec.Struct``), mirr
 :mod:`telemetry.records` field for field. The field types carry the per-field rules (``Meta`` bounds, checked in
 C while decoding), one builder function per record carries the rules between fields and builds the record, and
 the same definitions serve JSON and msgpack, the sidecar's decoder, the engine's own check of the rounds it
-aggregates (:func:`check_round`) and the policies' check of the windows they learn from (:func:`check_window`).
-Bucket keys and labels are parsed here too
-(:func:`parse_bucket_key`, :func:`check_label`), so that every rule exists once.
+aggregates (:func:`check_round`, :func:`check_rounds`) and the policies' check of the windows they learn from
+(:func:`check_window`). Bucket keys and labels are parsed here too (:func:`parse_bucket_key`,
+:func:`check_label`), so that every rule exists once.
 
 Every failure is a :class:`~telemetry.records.RecordError` whose ``reason`` is a short countable label
 (``bad_type``, ``out_of_range``, ``bad_name``, ``non_finite``, ``negative_time``, ``bad_hist``, ...): the
@@ -21,10 +21,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import operator
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from operator import mul as _mul
 from typing import Annotated, Any, Literal, NoReturn
 
 import msgspec
@@ -247,7 +247,7 @@ def _acceptance(a: _Acceptance) -> AcceptanceWindow:
         rule_broken("accepted_gt_drafted", f"accepted={accepted} > drafted={drafted}")
     if sum(hist) != rows:
         rule_broken("bad_hist", f"hist sums to {sum(hist)}, expected rows={rows}")
-    if sum(map(operator.mul, _BINS[k], hist)) != accepted:  # sum of i * hist[i]
+    if sum(map(_mul, _BINS[k], hist)) != accepted:  # sum of i * hist[i]
         rule_broken("bad_hist", "hist does not add up to accepted")
     if emitted > accepted + rows:  # each row emits its accepted drafts plus at most one more
         rule_broken("emitted_gt_possible", f"emitted={emitted} > accepted + rows")
@@ -258,7 +258,9 @@ def _acceptance(a: _Acceptance) -> AcceptanceWindow:
         _label(dv, "draft_version")
         _label(rt, "request_type")
         _label(cb, "context_bucket")
-    return _build(AcceptanceWindow, _fields_of(a))  # the same field names (asserted below)
+    w = _new(AcceptanceWindow)  # _build inline (tens of windows per batch): the same field names, asserted below
+    _set(w, "__dict__", _fields_of(a))
+    return w
 
 
 class _Cost(Struct, frozen=True, gc=False):
@@ -285,7 +287,8 @@ def _cost(c: _Cost) -> CostWindow:
         rule_broken("out_of_range", f"batch_rows={batch_rows} < rounds={rounds}")
     if not batch_rows <= tv <= batch_rows * (c.max_k + 1):  # packed: each row verifies 1..max_k + 1 tokens
         rule_broken("bad_tokens_verified", "tokens_verified outside [batch_rows, batch_rows * (max_k + 1)]")
-    refuse_negative_zero("a latency", c.latency_p50, c.latency_p95, c.latency_p99)
+    if not (c.latency_p50 and c.latency_p95 and c.latency_p99):
+        refuse_negative_zero("a latency", c.latency_p50, c.latency_p95, c.latency_p99)
     _label(c.target_version, "target_version")
     _label(c.draft_version, "draft_version")
     _label(c.context_bucket, "context_bucket")
@@ -440,6 +443,7 @@ _JSON_ENCODER = msgspec.json.Encoder()
 _MSGPACK_ENCODER = msgspec.msgpack.Encoder()
 _JSON_BATCH = msgspec.json.Decoder(_Batch)
 _MSGPACK_BATCH = msgspec.msgpack.Decoder(_Batch)
+_ROUNDS = list[_Round]
 
 
 def check_size(data: bytes | bytearray | memoryview) -> None:
@@ -541,6 +545,36 @@ def check_round(r: RoundRecord) -> None:
         RecordError: with a countable ``reason``.
     """
     _check(r, _Round, _round_rules)  # the rules alone: the engine holds the record already
+
+
+def check_rounds(rounds: Sequence[RoundRecord]) -> list[RecordError | None]:
+    """:func:`check_round` for a window's rounds at once (the emitter's aggregation): one conversion for all of
+    them, and when that refuses one, each round alone, so every round gets its own verdict.
+
+    Returns:
+        Per round, None when it is valid, else the :class:`~telemetry.records.RecordError` it breaks.
+    """
+    try:
+        wired = msgspec.convert(rounds, _ROUNDS, from_attributes=True)
+    except msgspec.ValidationError:
+        return list(map(_round_error, rounds))
+    out: list[RecordError | None] = []
+    for w in wired:
+        try:
+            _round_rules(w)
+        except RuleBroken as e:
+            out.append(RecordError(e.reason, e.detail))
+        else:
+            out.append(None)
+    return out
+
+
+def _round_error(r: RoundRecord) -> RecordError | None:
+    try:
+        check_round(r)
+    except RecordError as e:
+        return e
+    return None
 
 
 def check_window(w: AcceptanceWindow | CostWindow) -> None:

@@ -18,6 +18,7 @@ from telemetry.transport import InProcessTransport
 from telemetry.wire import (
     check_label,
     check_round,
+    check_rounds,
     check_window,
     decode_batch,
     encode_batch,
@@ -31,10 +32,14 @@ def _batch(**kw: object) -> WindowBatch:
     return WindowBatch("e1", 3, 1.0, 1.25, agg.acceptance, agg.cost, **kw)  # type: ignore[arg-type]
 
 
-def _reason(fn: object, *args: object) -> str:
+def _error(fn: object, *args: object) -> RecordError:
     with pytest.raises(RecordError) as e:
         fn(*args)  # type: ignore[operator]
-    return e.value.reason
+    return e.value
+
+
+def _reason(fn: object, *args: object) -> str:
+    return _error(fn, *args).reason
 
 
 def test_the_travelling_shape_is_the_records_fields() -> None:
@@ -59,6 +64,11 @@ def test_a_round_the_engine_refuses_is_refused_on_the_wire_for_the_same_reason(m
     for r, reason in bad:
         assert _reason(check_round, r) == reason
         assert aggregate([r]).rejected == {reason: 1}
+        # the window's check: each round its own verdict, whether a field or a rule between fields is broken
+        verdicts = check_rounds([good, r, good])
+        assert verdicts[0] is None and verdicts[2] is None and verdicts[1] is not None
+        assert (verdicts[1].reason, verdicts[1].detail) == (reason, _error(check_round, r).detail)
+        assert aggregate([good, r, good]).rejected == {reason: 1} and aggregate([good, r, good]).rounds == 2
         d = window_batch_to_dict(_batch(sampled_rounds=(r,)))
         assert _reason(window_batch_from_dict, d) == reason
         assert _reason(decode_batch, msgpack.packb(d)) == reason
