@@ -40,7 +40,8 @@ Per scenario: ``windows_sent/stored/lost/duplicated``, ``engine_crashed``, ``sid
 (``first_window_stored_s`` and ``table_present_s`` after the service returns), ``policy_key_absent_s`` (longest
 run of 50 ms polls finding no table of the store's at the key while Redis answered), ``http_5xx``, ``http_p99_ms``,
 ``max_rss_mb`` (peak sampled VmRSS of the sidecar), ``idle_rss_mb`` (VmRSS before the fault), ``dead_lettered`` and
-``dead_letter_reasons`` (the sidecar's ``/health`` ``rejected`` counters over the scenario). ``targets`` judges each.
+``dead_letter_reasons`` (the sidecar's ``/health`` ``rejected`` counters over the scenario; decision ticks the policy
+raised on are counted apart, as ``policy_errors``). ``targets`` judges each.
 
 A benchmark never asserts: it prints, saves JSON and a PNG, and leaves judging to the reader (and ``targets``).
 """
@@ -91,6 +92,7 @@ SETTLE_TIMEOUT_S = 60.0  # after a scenario: every window the feeder sent stored
 PG_SUPERUSER = "postgres"
 PG_BINARIES = ("initdb", "pg_ctl")
 FORGED_REASON = "forged by the fault suite"
+POLICY_ERROR = "policy_error"  # the sidecar's count of decision ticks the policy raised on (controller/service)
 
 # Targets (issue 14); evaluated in the JSON's ``targets`` block.
 TARGET_RECOVERY_S = 5.0  # first stored window and a table at the key, after a service returns
@@ -572,6 +574,16 @@ def longest_absence(samples: Sequence[Sample], after: float = 0.0) -> float:
     return round(best, 3)
 
 
+def key_state_changes(samples: Sequence[Sample]) -> list[tuple[float, bool, bool]]:
+    """The samples where (Redis up, a table of the store's at the key) changed: the timeline, without 20 rows a
+    second of the same state."""
+    out: list[tuple[float, bool, bool]] = []
+    for s in samples:
+        if not out or (out[-1][1], out[-1][2]) != (s.redis_up, s.key_ours):
+            out.append((round(s.t, 3), s.redis_up, s.key_ours))
+    return out
+
+
 # -------------------------------------------------------------------------------------------------- store
 class Counts:
     """Counts in the suite's PostgreSQL (a short-lived connection per query: the server may be down)."""
@@ -811,6 +823,8 @@ class Suite:
         rec["sidecar_last_error"] = (h1.get("last_error") or None) and str(h1["last_error"])[:500]
         base = {} if restarted else rej0
         reasons = {k: v - base.get(k, 0) for k, v in rej1.items() if v - base.get(k, 0) > 0}
+        # /health's "rejected" also counts decision ticks the policy failed: not entries, so not dead letters.
+        rec["policy_errors"] = reasons.pop(POLICY_ERROR, 0)
         rec["dead_letter_reasons"] = dict(sorted(reasons.items()))
         rec["dead_lettered"] = sum(reasons.values())
         rec["duration_s"] = round(t_end - tl.t0, 2)
@@ -1217,6 +1231,7 @@ def evaluate(scenarios: dict[str, dict[str, Any]], engine: dict[str, Any] | None
     dup = sum(r.get("windows_duplicated", 0) for r in ran.values()) + (engine or {}).get("windows_duplicated", 0)
     crashes = sum(bool(r.get("engine_crashed")) + bool(r.get("sidecar_crashed")) for r in ran.values())
     crashes += bool((engine or {}).get("crashed"))
+    policy_errors = sum(r.get("policy_errors", 0) for r in ran.values())
     ft = ran.get("forged_types", {})
     ratio = (ft["max_rss_mb"] / ft["idle_rss_mb"]) if ft.get("max_rss_mb") and ft.get("idle_rss_mb") else None
     http = ran.get("http", {})
@@ -1241,6 +1256,7 @@ def evaluate(scenarios: dict[str, dict[str, Any]], engine: dict[str, Any] | None
         "rss_ratio_under_flood": t(None if ratio is None else round(ratio, 2), TARGET_RSS_RATIO,
                                    None if ratio is None else ratio <= TARGET_RSS_RATIO),
         "fuzz_unaccounted": t(fuzz_left, 0, None if fuzz_left is None else fuzz_left == 0),
+        "policy_errors": t(policy_errors, 0, policy_errors == 0),  # decision ticks lost to a policy exception
     }
 
 
@@ -1281,7 +1297,7 @@ def run(cfg: FaultConfig, *, scenarios: Sequence[str] = SCENARIOS, engine: bool 
             results["scaleout"] = scenario_scaleout(suite)
         timelines = {k: {"t0": v.t0, "sent": v.sent, "stored": v.stored, "fault": v.fault}
                      for k, v in suite.timelines.items()}
-        samples = [(s.t, s.redis_up, s.key_ours) for s in suite.obs.samples]
+        samples = key_state_changes(suite.obs.samples)
     return {
         "scenarios": results,
         "engine": eng,
@@ -1289,7 +1305,7 @@ def run(cfg: FaultConfig, *, scenarios: Sequence[str] = SCENARIOS, engine: bool 
         "targets": evaluate(results, eng),
         "config": dict(cfg.__dict__),
         "timelines": timelines,
-        "key_samples": samples,
+        "key_state_changes": samples,
     }
 
 
@@ -1343,8 +1359,9 @@ def plot(res: dict[str, Any], path: Path) -> None:
     tls = res["timelines"]
     n = max(1, len(tls))
     fig, axes = plt.subplots(n, 1, figsize=(10, 1.9 * n + 0.6), squeeze=False)
-    samples = res.get("key_samples") or []
-    for ax, (name, tl) in zip(axes[:, 0], tls.items(), strict=False):
+    order = [n for n in SCENARIOS if n in tls] + [n for n in tls if n not in SCENARIOS]  # the JSON sorts keys
+    for ax, name in zip(axes[:, 0], order, strict=False):
+        tl = tls[name]
         t0 = tl["t0"]
         if tl["sent"]:
             ax.step([t - t0 for t, _ in tl["sent"]], [v for _, v in tl["sent"]], where="post", label="sent")
@@ -1354,11 +1371,13 @@ def plot(res: dict[str, Any], path: Path) -> None:
             a, b = tl["fault"]
             ax.axvspan(a - t0, max(b, a + 0.05) - t0, color="crimson", alpha=0.2, label="fault")
         end = max([t for t, _ in tl["sent"]] + [t0 + 1])
-        bad = [(t - t0) for t, up, ours in samples if t0 <= t <= end and (not up or not ours)]
-        if bad:
-            ymax = max([v for _, v in tl["sent"]] + [1])
-            ax.scatter(bad, [ymax * 1.05] * len(bad), marker="|", color="black", s=30,
-                       label="no table of ours at key / Redis down")
+        changes = res.get("key_state_changes") or []
+        label = "Redis down / no table of the store's at the key"
+        for (t, up, ours), nxt in zip(changes, [*changes[1:], [math.inf, True, True]], strict=True):
+            a, b = max(t, t0), min(nxt[0], end)
+            if b > a and not (up and ours):
+                ax.axvspan(a - t0, b - t0, ymin=0.93, ymax=1.0, color="black", label=label)
+                label = "_"
         ax.set_ylabel("windows")
         ax.set_title(name, fontsize=9, loc="left")
         ax.legend(fontsize=6, loc="upper left")
