@@ -17,7 +17,8 @@ the XADDs Redis acknowledged; ``windows_stored`` counts that engine id's distinc
 PostgreSQL; ``windows_duplicated`` counts stored rows beyond one per ``seq``. The engine's own figures (its
 emitter's ``windows_sent`` / ``windows_dropped`` against its rows in PostgreSQL) are in the ``engine`` block.
 
-Scenarios (one fault at a time; ``--quick`` shrinks durations and counts):
+Scenarios, in this order (one fault at a time; ``--quick`` shrinks durations and counts; ``--scenarios`` picks a
+subset; each starts from a running system, what an earlier one left down is started again first):
 
 - ``redis_kill``: SIGKILL the suite's Redis, keep it down ``redis_down_s``, restart it empty on the same port.
   The kill is timed at a moment when the consumer group has no undelivered entry (``XINFO GROUPS`` lag 0, the
@@ -28,12 +29,14 @@ Scenarios (one fault at a time; ``--quick`` shrinks durations and counts):
 - ``fuzz``: ``fuzz_entries`` hostile stream entries: hypothesis draws valid batches (seeded synthetic rounds) and
   raw wire Structs (``st.from_type`` on :mod:`telemetry.wire`'s Structs), then a seeded mutator changes fields,
   types, bytes, sizes and nesting. Every entry must be dead-lettered, stored or skipped as a duplicate.
-- ``forged_types``: ``forged_types`` well-formed windows, each with a new request type; the cardinality caps must
-  dead-letter the excess, and the sidecar's RSS must stay within 2x its idle RSS.
-- ``forged_tables``: forged (version far ahead), stale, oversized, garbage and wrong-Redis-type values written
-  to the engines' policy key; how long each stays before the sidecar puts the store's table back.
 - ``http``: ``http_requests`` requests from ``http_clients`` concurrent clients against the operator endpoint,
   hostile bodies included (5000-digit k, 5000-deep JSON, NUL in a bucket), with ``idle_connections`` held open.
+- ``forged_types``: ``forged_types`` well-formed windows, each with a new request type; the cardinality caps must
+  dead-letter the excess (counted per window, as the gate splits a batch), and the sidecar's RSS must stay within
+  2x its idle RSS.
+- ``forged_tables``: forged (version far ahead), stale, oversized, garbage and wrong-Redis-type values written
+  to the engines' policy key, and the key deleted; how long each stays before the sidecar puts the store's table
+  back, and whether the engine adopted the forgery (``engine_stuck_on_forged``).
 - ``scaleout``: ``bench._faults_scaleout.run_scaleout`` (three sidecars, kill -9 the leader), when present.
 
 Per scenario: ``windows_sent/stored/lost/duplicated``, ``engine_crashed``, ``sidecar_crashed``, ``recovery_s``
