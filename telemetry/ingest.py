@@ -5,11 +5,11 @@ ones), validates each, moves invalid ones to the dead-letter stream with their r
 stores the valid ones and acknowledges them only after the commit. A crash between commit and acknowledgement
 redelivers entries the store already holds; idempotent ingestion stores them once.
 
-The entries of a read are stored in chunks of ``store_chunk``, one transaction each, on a writer thread: while
-the database works on one chunk, this thread decodes and validates the next, so the database's time (on
-another core, and with the GIL released while the driver waits) overlaps the decoding instead of adding to it.
-At most one chunk is being stored at a time, chunks are committed and acknowledged in order, and a step returns
-only once every chunk it read is settled (stored, dead-lettered, or left pending after a failure).
+A read of more than ``store_chunk`` entries is handed to the store chunk by chunk, on a writer thread, in one
+transaction (:meth:`~telemetry.store.Store.ingest_chunks`): while the database writes one chunk, this thread
+decodes and validates the next, so the database's time (another process, with the GIL released while the
+driver waits) overlaps the decoding instead of adding to it, and the read still pays one commit and is stored
+whole or not at all.
 
 Bad input never crashes the loop and is never silently dropped. A store or transport outage is counted and the
 step returns nothing; the unacknowledged entries stay pending and are claimed again after ``claim_min_idle_ms``.
@@ -29,10 +29,11 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from queue import SimpleQueue
 
 from telemetry.cardinality import CardinalityGate, Split
 from telemetry.errors import StoreError, StoreRejectedError, TransportError
@@ -56,7 +57,7 @@ class ConsumerConfig:
 
     consumer: str = field(default_factory=default_consumer_name)  # name within the consumer group
     count: int = 512  # entries per read: large reads amortise the read and the store transactions
-    store_chunk: int = 128  # entries per store transaction; the next chunk is decoded while one is stored
+    store_chunk: int = 128  # entries handed to the store at a time; the next chunk is decoded while it writes
     block_ms: int = 200  # how long a read waits for new entries
     claim_min_idle_ms: int = 30_000  # entries pending this long belong to a consumer presumed dead
     claim_interval_s: float = 5.0  # how often to look for such entries
@@ -91,14 +92,16 @@ class ConsumerStats:
 
 
 @dataclass
-class _Chunk:
-    """Entries of one store transaction: their payloads, the valid batches, the gate's excess, the store's
-    future."""
+class _Read:
+    """What one read's entries became: their payloads (for dead letters), the valid batches and the gate's
+    excess."""
 
-    payloads: dict[str, bytes]  # entry id -> payload, for dead letters
+    payloads: dict[str, bytes]  # entry id -> payload
     valid: list[tuple[str, WindowBatch]] = field(default_factory=list)
     excess: dict[str, Split] = field(default_factory=dict)  # windows the gate refused, by entry id
-    stored: Future[list[WindowBatch]] | None = None  # ingest_new of the valid batches, on the writer thread
+
+
+_END = None  # ends the chunks handed to the writer thread
 
 
 @contextmanager
@@ -187,28 +190,36 @@ class Consumer:
             return self._settle(entries)
 
     def _settle(self, entries: list[Entry]) -> list[WindowBatch]:
-        """Validate, store (in chunks, on the writer thread) and acknowledge the entries of one read."""
-        cfg = self._cfg
-        fresh: list[WindowBatch] = []
-        storing: _Chunk | None = None  # the chunk the writer thread is storing
-        for i in range(0, len(entries), cfg.store_chunk):
-            chunk = self._validate(entries[i : i + cfg.store_chunk])  # overlaps the store of the previous chunk
-            if storing is not None:
-                done, ok = self._store_and_ack(storing)
-                fresh += done
-                storing = None
-                if not ok:  # the store failed: the valid entries left stay pending and are claimed again
-                    return fresh
-            if chunk.valid:
-                chunk.stored = self._writer().submit(self._store.ingest_new, [b for _, b in chunk.valid])
-                storing = chunk
-        if storing is not None:
-            fresh += self._store_and_ack(storing)[0]
-        return fresh
+        """Validate, store and acknowledge the entries of one read."""
+        n = self._cfg.store_chunk
+        read = _Read({eid: p for eid, p in entries})
+        if len(entries) <= n:  # one chunk: nothing to overlap, stored on this thread
+            if not self._validate(entries, read):
+                return []
+            return self._store_and_ack(read, lambda: self._store.ingest_new([b for _, b in read.valid]))
+        chunks: SimpleQueue[list[WindowBatch] | None] = SimpleQueue()
+        stored: Future[list[WindowBatch]] | None = None
+        try:
+            for i in range(0, len(entries), n):
+                batches = self._validate(entries[i : i + n], read)  # while the writer stores the chunk before
+                if batches:
+                    chunks.put(batches)
+                    if stored is None:
+                        stored = self._writer().submit(self._store.ingest_chunks, iter(chunks.get, _END))
+        except BaseException:
+            chunks.put(_END)
+            if stored is not None:  # the writer commits what it got (redelivered later, stored once): let it end
+                wait([stored])
+            raise
+        chunks.put(_END)
+        if stored is None:
+            return []
+        return self._store_and_ack(read, stored.result)
 
-    def _validate(self, entries: list[Entry]) -> _Chunk:
-        """Decode entries, dead-letter the invalid ones, split the rest through the gate."""
-        chunk = _Chunk({eid: p for eid, p in entries})
+    def _validate(self, entries: list[Entry], read: _Read) -> list[WindowBatch]:
+        """Decode entries, dead-letter the invalid ones, split the rest through the gate; returns (and adds to
+        ``read``) the valid batches."""
+        out: list[WindowBatch] = []
         for eid, payload in entries:
             try:
                 batch = decode_batch(payload)
@@ -221,28 +232,24 @@ class Consumer:
                     self._reject_excess(eid, payload, split)
                     continue
                 if split.excess:
-                    chunk.excess[eid] = split
+                    read.excess[eid] = split
                 batch = split.admitted
-            chunk.valid.append((eid, batch))
-        return chunk
+            read.valid.append((eid, batch))
+            out.append(batch)
+        return out
 
     def _writer(self) -> ThreadPoolExecutor:
-        if self._executor is None:  # one thread: chunks are stored one at a time, in order
+        if self._executor is None:  # one thread: one read is stored at a time
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="spectune-store")
         return self._executor
 
-    def _store_and_ack(self, chunk: _Chunk) -> tuple[list[WindowBatch], bool]:
-        """Wait for the chunk's store, count, dead-letter the gate's excess, acknowledge.
-
-        Returns:
-            The batches newly stored, and whether the store worked (False: the rest of the read stays pending).
-        """
-        assert chunk.stored is not None
-        valid, payloads, excess = chunk.valid, chunk.payloads, chunk.excess
+    def _store_and_ack(self, read: _Read, stored: Callable[[], list[WindowBatch]]) -> list[WindowBatch]:
+        """Store (``stored`` runs or waits for the store of every valid batch), count, dead-letter the gate's
+        excess, acknowledge; returns the batches newly stored."""
+        valid, payloads, excess = read.valid, read.payloads, read.excess
         refused = 0
-        ok = True
         try:
-            fresh = chunk.stored.result()
+            fresh = stored()
         except StoreRejectedError:
             # One poisonous batch must not block the others: store them one by one, dead-letter the refused.
             fresh, done = [], []
@@ -255,12 +262,11 @@ class Consumer:
                     self._reject(eid, payloads[eid], STORE_REJECTED)
                 except StoreError as e:  # the rest stays pending and is claimed again
                     self._store_failure(e)
-                    ok = False
                     break
             valid = done
         except StoreError as e:
             self._store_failure(e)
-            return [], False
+            return []
         else:
             self._store_ok = True
         self._stored += len(fresh)
@@ -276,7 +282,7 @@ class Consumer:
             self._settled([eid for eid, _ in valid])
         except TransportError as e:  # stored but not acked: redelivery will find them already stored
             self._transport_failure(e)
-        return fresh, ok
+        return fresh
 
     def _reject(self, eid: str, payload: bytes, reason: str) -> None:
         self._rejected[reason] = self._rejected.get(reason, 0) + 1

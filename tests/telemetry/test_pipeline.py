@@ -207,35 +207,38 @@ def test_one_read_in_several_store_chunks_stores_the_good_once_dead_letters_the_
     assert redis_transport.client.xpending(redis_transport.stream, GROUP)["pending"] == 0
 
 
-def test_a_store_failure_mid_read_keeps_the_chunks_before_and_leaves_the_rest_pending(
-    redis_transport: RedisStreamsTransport, sqlite_url: str
+def test_a_store_failure_mid_read_stores_nothing_of_it_and_the_read_is_claimed_again_whole(
+    redis_transport: RedisStreamsTransport, db_url: str
 ) -> None:
+    # The chunks of one read share one transaction: the first chunk is written, the second fails, and nothing of
+    # the read is stored; all of it stays pending and is stored once when claimed back.
     from unittest import mock
 
     from telemetry.errors import StoreError
 
-    upgrade(sqlite_url)
+    upgrade(db_url)
     redis_transport.publish([encode_batch(_valid_batch(seq)) for seq in range(1, 7)])
-    with Store(sqlite_url) as store:
-        real = store.ingest_new
-        calls: list[int] = []
+    with Store(db_url) as store:
+        real = store._write
+        chunks: list[int] = []
 
-        def second_fails(batches: list[WindowBatch]) -> list[WindowBatch]:
-            calls.append(len(batches))
-            if len(calls) == 2:
+        def second_fails(s, batches, *rest):  # type: ignore[no-untyped-def]
+            chunks.append(len(batches))
+            if len(chunks) == 2:
                 raise StoreError("database down")
-            return real(batches)
+            return real(s, batches, *rest)
 
         cfg = ConsumerConfig(consumer="c", count=6, store_chunk=2, block_ms=50, claim_min_idle_ms=0,
                              claim_interval_s=0.0, backoff_s=0.0)
         c = Consumer(redis_transport, store, cfg)
-        with mock.patch.object(store, "ingest_new", side_effect=second_fails):
-            assert [b.seq for b in c.step()] == [1, 2]  # the third chunk is not stored after the failure
+        with mock.patch.object(store, "_write", side_effect=second_fails):
+            assert c.step() == []
         s = c.stats()
-        assert (s.stored, s.store_failures, s.store_ok) == (2, 1, False)
-        assert redis_transport.client.xpending(redis_transport.stream, GROUP)["pending"] == 4
-        assert sorted(b.seq for b in _drain(c, 4)) == [3, 4, 5, 6]  # claimed back, each stored once
-        assert c.stats().reclaimed == 4 and store.batch_count() == 6
+        assert chunks == [2, 2] and (s.stored, s.store_failures, s.store_ok) == (0, 1, False)
+        assert store.batch_count() == 0  # the first chunk was rolled back with the second
+        assert redis_transport.client.xpending(redis_transport.stream, GROUP)["pending"] == 6
+        assert [b.seq for b in _drain(c, 6)] == [1, 2, 3, 4, 5, 6]  # claimed back, each stored once, in order
+        assert c.stats().reclaimed == 6 and store.batch_count() == 6
     assert redis_transport.client.xpending(redis_transport.stream, GROUP)["pending"] == 0
 
 
