@@ -105,6 +105,10 @@ TARGET_RSS_RATIO = 2.0  # sidecar peak RSS over its idle RSS under the cardinali
 
 # The hostile-label and forged-table scenarios run late: what they leave behind (64 tracked types, an engine that
 # adopted a forged table) would colour the scenarios after them.
+# What every scenario's record holds (the list); scenarios add their own figures beside these.
+FIELDS = ("windows_sent", "windows_stored", "windows_lost", "windows_duplicated", "engine_crashed", "sidecar_crashed",
+          "recovery_s", "policy_key_absent_s", "http_5xx", "http_p99_ms", "max_rss_mb", "idle_rss_mb", "dead_lettered",
+          "dead_letter_reasons")
 SCENARIOS = ("redis_kill", "sidecar_kill", "postgres_stop", "fuzz", "http", "forged_types", "forged_tables",
              "scaleout")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.faults import (
+    FIELDS,
     PG_BINARIES,
     PRESETS,
     FaultSuiteError,
@@ -71,6 +72,8 @@ def test_fault_suite_core(tmp_path: Path) -> None:
         assert fz["dead_lettered"] > 0 and fz["fuzz_unaccounted"] == 0, fz
         assert (fz["windows_lost"], fz["windows_duplicated"]) == (0, 0), fz
 
+        for rec in (rk, fz):
+            assert set(FIELDS) <= set(rec), set(FIELDS) - set(rec)
         targets = evaluate({"redis_kill": rk, "fuzz": fz}, None)
         assert targets["windows_lost"]["met"] and targets["crashes"]["met"] and targets["fuzz_unaccounted"]["met"]
     finally:
