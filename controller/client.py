@@ -55,6 +55,9 @@ class ClientConfig:
     redis_url: str | None = None  # None: in-process only (tables arrive through apply())
     prefix: str = DEFAULT_PREFIX  # must match the sidecar's
     refresh_s: float = 1.0  # timer refresh, the safety net under the pub/sub nudge
+    # An older table that stays at the policy key this long is followed back (see PolicyClient.refresh): the
+    # sidecar put it there over a table its store never made (a forged or foreign version ahead of it).
+    rollback_after_s: float = 10.0
     buckets: BucketConfig = DEFAULT_BUCKETS  # must match the sidecar's
 
     def __post_init__(self) -> None:
@@ -69,6 +72,9 @@ class ClientConfig:
             raise ValueError(f"ClientConfig.default_k must be in [0, k_max={self.k_max}], got {self.default_k}")
         if self.refresh_s < MIN_REFRESH_S:
             raise ValueError(f"ClientConfig.refresh_s must be >= {MIN_REFRESH_S}, got {self.refresh_s}")
+        if not self.rollback_after_s >= self.refresh_s:
+            raise ValueError(f"ClientConfig.rollback_after_s must be >= refresh_s ({self.refresh_s}), got "
+                             f"{self.rollback_after_s}")
         RedisKeys(self.prefix)  # raises ValueError for a prefix that is no word
 
 
@@ -82,6 +88,7 @@ class ClientStatus:
     connected: bool  # Redis answered on the last attempt (always False in embedded mode)
     tables_applied: int
     rejected: dict[str, int]  # tables refused, by reason
+    rollbacks: int  # older tables followed back after they held the policy key for rollback_after_s
     last_error: str | None  # the latest rejection or connection error, verbatim
     last_update_at: float | None  # wall-clock seconds when the table in force was applied
     detail: str  # one sentence saying what is happening
@@ -124,6 +131,8 @@ class PolicyClient:
         self._last_update: float | None = None
         self._connected = False
         self._last_raw: bytes | None = None  # the value of {prefix}:policy last processed
+        self._older_since: float | None = None  # when _last_raw, an older table than ours, was first refused
+        self._rollbacks = 0
         self._oversize_len: int | None = None  # length of the oversized value last refused unread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -158,15 +167,16 @@ class PolicyClient:
         with self._lock:
             self._lookup = self._new_lookup(self._table, target_version, draft_version)
 
-    def apply(self, table: PolicyTable) -> bool:
-        """Install ``table`` if it is valid and not older than the one in force.
+    def apply(self, table: PolicyTable, *, allow_older: bool = False) -> bool:
+        """Install ``table`` if it is valid and not older than the one in force (``allow_older``: older too).
 
         Returns:
             True when installed (or already in force); False when rejected (counted, the last good one stays).
         """
         with self._lock:
             try:
-                validate_table(table, self._cfg.k_max, self._table.version if self._table else None)
+                current = self._table.version if self._table and not allow_older else None
+                validate_table(table, self._cfg.k_max, current)
             except RecordError as e:
                 self._reject(e.reason, str(e))
                 return False
@@ -178,7 +188,7 @@ class PolicyClient:
             self._last_update = time.time()
             return True
 
-    def apply_json(self, text: str | bytes) -> bool:
+    def apply_json(self, text: str | bytes, *, allow_older: bool = False) -> bool:
         """Parse, validate and install a table as it travels (JSON with its version)."""
         try:
             table = policy_table_from_json(text)
@@ -190,7 +200,7 @@ class PolicyClient:
             with self._lock:
                 self._reject("malformed", f"policy table rejected: {type(e).__name__}: {e}")
             return False
-        return self.apply(table)
+        return self.apply(table, allow_older=allow_older)
 
     def _reject(self, reason: str, detail: str) -> None:
         self._rejected[reason] = self._rejected.get(reason, 0) + 1
@@ -229,7 +239,22 @@ class PolicyClient:
         self._connected = True
         if raw is not None and raw != self._last_raw:  # the same bytes again: already applied or rejected once
             self._last_raw = raw  # type: ignore[assignment]
-            self.apply_json(raw)  # type: ignore[arg-type]
+            stale_before = self._rejected.get("stale_version", 0)
+            ok = self.apply_json(raw)  # type: ignore[arg-type]
+            older = not ok and self._rejected.get("stale_version", 0) > stale_before
+            self._older_since = time.monotonic() if older else None
+        elif raw is not None and self._older_since is not None and (
+                time.monotonic() - self._older_since >= self._cfg.rollback_after_s):
+            # Versions only go up while the sidecar publishes (its write is compare-and-set), so an older table
+            # that stays is the sidecar's own store-backed table put back over one it never made (a forged or
+            # foreign version ahead of its store). A table pushed by hand and overwritten meanwhile never stays.
+            self._older_since = None
+            was = self.version
+            if self.apply_json(raw, allow_older=True):  # type: ignore[arg-type]
+                self._rollbacks += 1
+                self._last_error = (f"followed the policy key back from v{was} to v{self.version}: the older table "
+                                    f"held the key for {self._cfg.rollback_after_s:g} s (the sidecar replaced a "
+                                    "table its store never made)")
         return True
 
     def _follow(self) -> None:
@@ -296,7 +321,8 @@ class PolicyClient:
                 detail += "; Redis unreachable, keeping the last good table"
         return ClientStatus(
             fail_static=t is None, mode=mode, version=t.version if t else None, connected=self._connected,
-            tables_applied=self._applied, rejected=dict(self._rejected), last_error=self._last_error,
+            tables_applied=self._applied, rejected=dict(self._rejected), rollbacks=self._rollbacks,
+            last_error=self._last_error,
             last_update_at=self._last_update, detail=detail, versions=self._lookup.versions,
         )
 

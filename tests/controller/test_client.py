@@ -137,3 +137,23 @@ def test_client_module_does_not_import_torch() -> None:
     code = "import sys, controller.client, controller.service.publish; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_an_older_table_that_stays_at_the_key_is_followed_back(redis_url: str, redis_prefix: str) -> None:
+    # A forged table far ahead of the store is adopted (it is valid); the sidecar then puts its store's older
+    # table back and keeps it there. The engine must not stay on the forged one until it restarts.
+    pub = RedisPublisher(redis_url, redis_prefix)
+    key = f"{V1}|{D}|code|8|<=512"
+    with PolicyClient(ClientConfig(V1, D, default_k=1, redis_url=redis_url, prefix=redis_prefix, refresh_s=0.1,
+                                   rollback_after_s=0.6)) as c:
+        assert pub.publish(table(2**40, {key: 0}), force=True)  # the forger
+        assert wait_for(lambda: c.version == 2**40, 1.0)
+        assert pub.publish(table(12, {key: 5}), force=True)  # the sidecar puts its own table back
+        assert wait_for(lambda: c.status().rejected.get("stale_version") == 1, 1.0)
+        assert c.version == 2**40  # refused at first: an older table pushed by hand and replaced never stays
+        assert wait_for(lambda: c.version == 12, 2.0) and c.decide("code", 8, 10) == 5
+        st = c.status()
+        assert st.rollbacks == 1 and "followed the policy key back" in (st.last_error or "")
+    with pytest.raises(ValueError, match="rollback_after_s"):
+        ClientConfig(V1, D, refresh_s=1.0, rollback_after_s=0.5)
+    pub.close()
