@@ -6,7 +6,9 @@ on a thread with the ``goodput`` policy, and a SQLite file in the run folder. ``
 switch the transport and the store to Redis and PostgreSQL.
 
 The same workload (:data:`controller.reference.workload.WORKLOADS` ``"demo"``: code, prose and structured
-requests; load rising to a large batch and falling; long-context requests; the model update midway) is played:
+requests; load rising to a large batch and falling; long-context requests; a structured-heavy stretch, then a silent
+drift: structured prompts switch to a second JSON schema with no version change, which the learned run's sidecar
+raises as an ``acceptance_drift`` naming structured; then the model update) is played:
 
 1. **learned**: k from the sidecar, which starts knowing nothing and learns while the workload runs;
 2. **static k** (``--static-k``, 3): one k for everything (what most deployments configure);
@@ -48,6 +50,10 @@ from telemetry.transport import InProcessTransport, RedisConfig, RedisStreamsTra
 QUICK_SCALE = 0.1  # --quick: each phase this fraction of its length (the whole demo in well under a minute)
 QUICK_MAX_BATCH = 24  # --quick: a smaller peak, so prefill and the model update's re-prefill stay short
 MIN_ROUNDS_FOR_BEST = 3  # rounds a (cell, k) needs before the hindsight table may pick it
+# Rows of an acceptance bucket's old level before its drift is alerted (the sidecar's default is 500). The demo
+# lasts about a minute per run and the policy moves k while it learns, so a bucket at one k rarely holds 500 rows
+# before the silent drift; 200 still needs several windows of a steady k (see controller.service.alerts.manager).
+DEMO_MIN_BEFORE = 200
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,7 @@ class _Engine:
         self.cfg = cfg
         self.models = load_models(cfg.checkpoints, cfg.device, with_update=True, profile=cfg.profile)
         self.pool = PromptPool(cfg.seed, cfg.prompt_cache)
+        self.pool.get("structured", False, 0, schema=2)  # the silent drift's prompts, built before any clock runs
         warm_up(self.fresh(), self.pool)
 
     def fresh(self) -> Any:
@@ -147,7 +154,8 @@ def _play(name: str, eng: _Engine, phases: Sequence[Phase], decide: Callable[[st
 
 def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: Path, name: str,
               progress: Callable[[RunLog, int, float], None], decide: Callable[[str, int, int], int] | None = None,
-              on_sidecar: Callable[[Sidecar], None] = lambda _s: None) -> tuple[RunLog, Sidecar]:
+              on_sidecar: Callable[[Sidecar], None] = lambda _s: None,
+              alerts_on: bool | None = None) -> tuple[RunLog, Sidecar]:
     """A run with engine hooks -> transport -> sidecar thread (goodput) -> client.
 
     ``decide`` None: the learned run, k from the sidecar (store: ``cfg.db_url`` or the run folder's
@@ -158,8 +166,10 @@ def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: P
 
     The learned run's sidecar also raises alerts (the model update, any drift) into its store's ``alerts`` table
     and, with Redis, the ``{prefix}:alerts`` stream; the report lists them (:attr:`Sidecar.recent_alerts`).
+    ``alerts_on`` overrides which runs raise them (None: the learned run only).
     """
     from controller.service.alerts import AlertConfig, AlertManager, AlertSink, RedisStreamSink
+    from controller.service.alerts.manager import ACCEPTANCE_MONITOR
     from policies import REGISTRY
     from telemetry.alerts_store import AlertStore
 
@@ -184,11 +194,12 @@ def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: P
         transport = InProcessTransport()
         hooks = build_engine_hooks(client_cfg, emitter_cfg, transport)
         publisher = CallbackPublisher(hooks.client.apply)
-    alert_store = AlertStore(url) if decide is None else None
+    alert_store = AlertStore(url) if (decide is None if alerts_on is None else alerts_on) else None
     alerts = None
     if alert_store is not None:
         sinks: list[AlertSink] = [RedisStreamSink(cfg.redis_url, prefix)] if cfg.redis_url is not None else []
-        alerts = AlertManager(AlertConfig(seed=cfg.seed), store=alert_store, sinks=sinks)
+        monitor = replace(ACCEPTANCE_MONITOR, min_before=DEMO_MIN_BEFORE)
+        alerts = AlertManager(AlertConfig(acceptance=monitor, seed=cfg.seed), store=alert_store, sinks=sinks)
     sidecar = Sidecar(
         SidecarConfig(publish_every_windows=6, publish_every_s=0.5, warm_start_windows=0,
                       consumer=ConsumerConfig(consumer="demo", block_ms=50)),

@@ -92,6 +92,22 @@ def alert_rows(sidecar: Sidecar, started_at: float) -> list[list[str]]:
     return rows
 
 
+ALERT_COLOURS = {"model_update": "crimson", "acceptance_drift": "darkorange", "cost_drift": "purple"}
+
+
+def alert_marks(sidecar: Sidecar, started_at: float) -> list[tuple[float, str, str]]:
+    """(seconds into the workload, kind, short label) of each alert, for the throughput timeline."""
+    out = []
+    for a in sidecar.recent_alerts:
+        if a.kind == "model_update":
+            label = f"model_update -> {a.target_version}"
+        else:
+            parts = a.bucket.split("|")
+            label = f"{a.kind}: {parts[2] if a.kind == 'acceptance_drift' else 'batch<=' + parts[3]} k={a.k}"
+        out.append((a.detected_at - started_at, a.kind, label))
+    return out
+
+
 def k_table(sidecar: Sidecar) -> tuple[list[str], list[list[str]]]:
     """The final learned table as (version, type, context) rows x batch-bucket columns."""
     cur = sidecar.current
@@ -112,7 +128,8 @@ def k_table(sidecar: Sidecar) -> tuple[list[str], list[list[str]]]:
 
 
 def _plots(run_dir: Path, phases: Sequence[Phase], logs: Sequence[RunLog], update_at: float | None,
-           static_k: int) -> list[str]:
+           static_k: int, alerts: Sequence[tuple[float, str, str]] = ()) -> list[str]:
+    """The three PNGs; ``alerts`` (seconds into the workload, kind, label) are marked on the throughput timeline."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,6 +180,12 @@ def _plots(run_dir: Path, phases: Sequence[Phase], logs: Sequence[RunLog], updat
         if log.rounds:
             ax.plot(mids, binned([r.t for r in log.rounds], [r.emitted for r in log.rounds]) / step,
                     label=log.name)
+    for i, (t, kind, label) in enumerate(alerts):  # the learned run's alerts, where its sidecar raised them
+        if 0 <= t <= total:
+            colour = ALERT_COLOURS.get(kind, "0.3")
+            ax.axvline(t, color=colour, ls=":", lw=1.2)
+            ax.text(t, 0.90 - 0.08 * (i % 4), " " + label, transform=ax.get_xaxis_transform(), fontsize=7,
+                    color=colour, va="top")
     save(fig, ax, "throughput.png", ylabel="tokens / s", title="Throughput, same workload per run")
 
     learned = logs[0]
@@ -203,6 +226,8 @@ def write_report(run_dir: Path, static_k: int, phases: Sequence[Phase], logs: Se
 
     update_i = next((i for i, p in enumerate(phases) if p.update), None)
     update_at = sum(p.seconds for p in phases[:update_i]) if update_i is not None else None
+    drift_i = next((i for i, p in enumerate(phases) if p.structured_schema != 1 and not p.update), None)
+    drift_at = sum(p.seconds for p in phases[:drift_i]) if drift_i is not None else None
     v2 = update_version
 
     thr_header = ["phase", "load", *(log.name for log in logs)]
@@ -240,7 +265,7 @@ def write_report(run_dir: Path, static_k: int, phases: Sequence[Phase], logs: Se
     console.print(f"Sidecar: {h['windows_ingested']} window batches, {sidecar.version} policy versions, "
                   f"{sum(h['rejected'].values())} rejected records.")
 
-    files = _plots(run_dir, phases, logs, update_at, static_k)
+    files = _plots(run_dir, phases, logs, update_at, static_k, alert_marks(sidecar, logs[0].started_at))
     md = [
         "# spectune demo",
         "",
@@ -249,7 +274,10 @@ def write_report(run_dir: Path, static_k: int, phases: Sequence[Phase], logs: Se
         "best static k in hindsight), and with the best k per (model version, batch bucket, context bucket) "
         "measured in those runs (hindsight). Load rose to a large batch and fell, long-context requests arrived, "
         "and the target model was updated "
-        f"{'at t=' + format(update_at, '.0f') + 's' if update_at is not None else 'never'}.",
+        f"{'at t=' + format(update_at, '.0f') + 's' if update_at is not None else 'never'}"
+        + (f"; at t={drift_at:.0f}s structured prompts switched to a second JSON schema with no version change "
+           "(a silent drift, for the sidecar to notice from acceptance alone)" if drift_at is not None else "")
+        + ". Alerts are marked on the throughput timeline (dotted lines).",
         "",
         *(f"- {name}: **{r:.3f}**" for name, r in (ratios or {}).items()),
         "",

@@ -31,6 +31,8 @@ POOL_SIZE = 48  # prompts per (type, length) in the pool
 MAX_NEW_TOKENS = (32, 96)  # range of output lengths
 TEMPERATURE = {"code": 0.0, "prose": 1.0, "structured": 0.0}
 POOL_VERSION = 1  # bump when the pool's recipe changes (invalidates caches)
+STRUCTURED_HEAVY = (0.1, 0.1, 0.8)  # a tool-calling stretch: the structured bucket fills fast enough to watch
+STRUCTURED_SCHEMAS = (1, 2)  # engine.corpus's structured schemas (2: the mix the updated target was trained on)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Phase:
     mix: tuple[float, float, float] = (1 / 3, 1 / 3, 1 / 3)  # weights of code, prose, structured
     long_fraction: float = 0.0  # share of requests with a long prompt
     update: bool = False  # swap the target to the updated model when the phase starts
+    structured_schema: int = 1  # JSON schema of structured prompts: 2 without ``update`` is a silent drift
 
     def __post_init__(self) -> None:
         if self.seconds <= 0 or self.load < 1:
@@ -51,17 +54,24 @@ class Phase:
             raise ValueError(f"Phase {self.name!r}: mix must be {len(REQUEST_TYPES)} non-negative weights")
         if not 0.0 <= self.long_fraction <= 1.0:
             raise ValueError(f"Phase {self.name!r}: long_fraction must be in [0, 1]")
+        if self.structured_schema not in STRUCTURED_SCHEMAS:
+            raise ValueError(f"Phase {self.name!r}: structured_schema must be one of {STRUCTURED_SCHEMAS}")
 
 
-# Load rises to a large batch and falls; long-context requests arrive; the model update lands midway.
+# Load rises to a large batch and falls; long-context requests arrive; traffic turns structured-heavy at a low
+# load, then structured prompts switch to the second JSON schema with no version change (a silent drift: the
+# sidecar must notice it from acceptance alone); the model update lands after it (its target was trained on
+# schema 2, which stays).
 WORKLOADS: dict[str, tuple[Phase, ...]] = {
     "demo": (
-        Phase("warm-up", 10, load=4),
-        Phase("rising", 10, load=16, mix=(0.4, 0.3, 0.3)),
-        Phase("peak", 14, load=48),
-        Phase("long-context", 10, load=8, mix=(0.2, 0.6, 0.2), long_fraction=0.6),
-        Phase("model update", 14, load=8, mix=(0.3, 0.2, 0.5), update=True),
-        Phase("falling", 8, load=2),
+        Phase("warm-up", 8, load=4),
+        Phase("rising", 8, load=16, mix=(0.4, 0.3, 0.3)),
+        Phase("peak", 10, load=48),
+        Phase("long-context", 8, load=8, mix=(0.2, 0.6, 0.2), long_fraction=0.6),
+        Phase("structured", 9, load=4, mix=STRUCTURED_HEAVY),
+        Phase("silent drift", 9, load=4, mix=STRUCTURED_HEAVY, structured_schema=2),
+        Phase("model update", 10, load=8, mix=(0.3, 0.2, 0.5), update=True, structured_schema=2),
+        Phase("falling", 4, load=2, structured_schema=2),
     ),
     "steady": (Phase("steady", 3600, load=8),),
 }
@@ -80,10 +90,13 @@ class PromptPool:
     Args:
         seed: which cut of the held-out text.
         cache_dir: where the pool is cached (None: no cache).
-        schema_version: structured prompts' schema (2 is the updated model's mix).
+
+    Structured prompts of schema 2 (:meth:`get` with ``schema=2``) are built on first use and cached beside the
+    pool, so a workload that never drifts never pays for them.
     """
 
     def __init__(self, seed: int = 0, cache_dir: Path | None = None) -> None:
+        self._seed, self._cache_dir = seed, cache_dir
         path = cache_dir / f"prompts-v{POOL_VERSION}-s{seed}.json" if cache_dir else None
         if path is not None and path.exists():
             raw = json.loads(path.read_text())
@@ -97,8 +110,28 @@ class PromptPool:
                 path.write_text(json.dumps(raw))
         self._pool = {k: [bytes.fromhex(h) for h in v] for k, v in raw.items()}
 
-    def get(self, request_type: str, long: bool, i: int) -> bytes:
-        lst = self._pool[f"{request_type}/{LONG_PROMPT if long else SHORT_PROMPT}"]
+    def _schema_pool(self, schema: int) -> None:
+        """Add schema ``schema``'s structured prompts to the pool (cached as their own file)."""
+        d = self._cache_dir
+        path = d / f"prompts-v{POOL_VERSION}-s{self._seed}-structured{schema}.json" if d else None
+        if path is not None and path.exists():
+            raw = json.loads(path.read_text())
+        else:
+            raw = {f"structured/{n}": [p.hex() for p in held_out_prompts("structured", POOL_SIZE, n, self._seed,
+                                                                        schema_version=schema)]
+                   for n in (SHORT_PROMPT, LONG_PROMPT)}
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(raw))
+        self._pool.update({f"{k}@{schema}": [bytes.fromhex(h) for h in v] for k, v in raw.items()})
+
+    def get(self, request_type: str, long: bool, i: int, schema: int = 1) -> bytes:
+        key = f"{request_type}/{LONG_PROMPT if long else SHORT_PROMPT}"
+        if request_type == "structured" and schema != 1:
+            key = f"{key}@{schema}"
+            if key not in self._pool:
+                self._schema_pool(schema)
+        lst = self._pool[key]
         return lst[i % len(lst)]
 
 
@@ -117,7 +150,8 @@ class RequestStream:
         rtype = rng.choices(REQUEST_TYPES, weights=phase.mix)[0]
         long = rng.random() < phase.long_fraction
         return Request(
-            request_id=f"r{i}", request_type=rtype, prompt=self._pool.get(rtype, long, rng.randrange(1 << 30)),
+            request_id=f"r{i}", request_type=rtype,
+            prompt=self._pool.get(rtype, long, rng.randrange(1 << 30), phase.structured_schema),
             max_new_tokens=rng.randint(*MAX_NEW_TOKENS), temperature=TEMPERATURE.get(rtype, 1.0),
         )
 
