@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from telemetry.errors import TransportError
 from telemetry.policy_table import policy_table_from_json, table_to_json
@@ -34,6 +34,10 @@ end
 # ARGV[2] = its version, ARGV[3] = lease token ('' without a lease).
 # Returns 1 when written and published, 0 when the stored version is already >= ARGV[2], -1 when fenced.
 _CAS_SCRIPT = _FENCE + """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'string' and kind ~= 'none' then
+  redis.call('DEL', KEYS[1])  -- a hash, list, ... is no table of ours: replaced like junk (GET would refuse it)
+end
 local cur = redis.call('GET', KEYS[1])
 if cur then
   local ok, t = pcall(cjson.decode, cur)
@@ -47,13 +51,14 @@ return 1
 """
 # The same keys and arguments; writes whatever is there (not a table of ours): 1, or -1 when fenced.
 _FORCE_SCRIPT = _FENCE + """
-redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SET', KEYS[1], ARGV[1])  -- SET replaces a value of any type
 redis.call('PUBLISH', KEYS[2], ARGV[2])
 return 1
 """
 # KEYS[1] = table key. Returns the stored table's version as a string, or false when absent or not a table
 # (decoded inside Redis: the sidecar checks this every tick without fetching the whole table).
 _VERSION_SCRIPT = """
+if redis.call('TYPE', KEYS[1])['ok'] ~= 'string' then return false end
 local cur = redis.call('GET', KEYS[1])
 if not cur then return false end
 local ok, t = pcall(cjson.decode, cur)
@@ -168,6 +173,10 @@ class RedisPublisher(Publisher):
         """One read of the policy key, Redis errors translated; the raw value, None when the key is absent."""
         try:
             return read()
+        except ResponseError as e:
+            if str(e).startswith("WRONGTYPE"):
+                return None  # a hash, list, ... at the key: no table of ours (the next publish replaces it)
+            raise TransportError(f"reading {self.key} from Redis at {self._shown} failed: {e}") from e
         except (RedisError, OSError) as e:
             raise TransportError(f"reading {self.key} from Redis at {self._shown} failed: {e}") from e
 

@@ -224,3 +224,28 @@ def test_a_pin_says_when_it_reached_no_engine(sqlite_url: str) -> None:
             srv.close()
         assert res["policy_version"] == 1 and res["published"] is False
         assert sc.health()["status"] == "degraded" and sc.health()["unpublished_version"] == 1
+
+
+def test_a_policy_key_of_another_redis_type_is_replaced(sqlite_url: str, redis_url: str, redis_prefix: str) -> None:
+    # A hash (or list, set...) at the engines' key made every GET fail with WRONGTYPE: the sidecar took it for an
+    # unreachable Redis, stayed "degraded" and never put its table back.
+    key = RedisKeys(redis_prefix).policy
+    r = redis.Redis.from_url(redis_url)
+    r.hset(key, "version", str(2**40))
+    t = InProcessTransport()
+    pub = RedisPublisher(redis_url, redis_prefix)
+    assert pub.current_version() is None and pub.current() is None  # no table of ours, not an outage
+    with Store(sqlite_url, auto_upgrade=True) as store:
+        sc = make(t, store, pub)
+        feed(t, 300)
+        sc.drain()
+        assert (sc.publish_now("learned") or sc.current) is not None
+        assert r.type(key) == b"string" and pub.current_version() == sc.version
+        assert sc.published and sc.health()["status"] == "ok"
+        r.delete(key)
+        r.rpush(key, "junk")  # again, once a table is in force: the next tick replaces it
+        sc.publish_if_changed("tick")
+        assert r.type(key) == b"string" and pub.current_version() == sc.version
+    pub.close()
+    r.delete(key)
+    r.close()
