@@ -92,8 +92,9 @@ class _Estimate:
         return int(np.argmax(self.g_shared[1:]) + 1)
 
     def index(self, ks: tuple[int, ...]) -> int:
-        """Row of ``combos`` holding the joint ks ``ks``."""
-        return int(np.flatnonzero((self.combos == np.array(ks)).all(axis=1))[0])
+        """Row of ``combos`` holding the joint ks ``ks``; the nearest row (L1) when the grid cannot hold them: with
+        many types the grid is one shared k per row, while incumbents kept from fewer types may differ per type."""
+        return int(np.argmin(np.abs(self.combos - np.array(ks)).sum(axis=1)))  # [C] distances; 0 on an exact row
 
     def shared(self, k: int) -> tuple[int, ...]:
         """One k for every type."""

@@ -187,3 +187,36 @@ def test_cost_model_slow_spell_does_not_make_its_k_dear() -> None:
     # The median of 3 needs two slow votes to move: the spell's first window lands raw (about 5% here).
     assert ratio["robust"] == pytest.approx(quiet, rel=0.08)
     assert ratio["raw"] > 1.2 * quiet  # what the robust estimate prevents
+
+
+def test_a_cell_that_grows_past_the_joint_grid_keeps_deciding() -> None:
+    # Three types learn per-type incumbents (e.g. 6, 0, 6); three more arrive while the cell is quiet. With six
+    # types the joint grid is one shared k per row, so the mixed incumbent is no row of it: deciding raised
+    # IndexError on every later decision (the sidecar published nothing after a flood of new request types).
+    from telemetry.aggregate import aggregate
+    from telemetry.synthetic import SyntheticConfig, synthetic_rounds
+
+    p = GoodputPolicy(k_max=8, seed=0)
+
+    def learn(alpha: dict[str, float], seed: int) -> None:
+        cfg = SyntheticConfig(batch_sizes=(8,), max_context=400, alpha=alpha)
+        agg = aggregate(synthetic_rounds(4000, seed=seed, config=cfg))
+        for w in (*agg.acceptance, *agg.cost):
+            p.observe(w)
+
+    def b(rt: str) -> Bucket:
+        return Bucket("target-v1", "draft-v1", rt, 8, "<=512")
+
+    three = {"code": 0.95, "prose": 0.3, "structured": 0.9}
+    for i in range(6):
+        learn(three, i)
+        for rt in three:
+            p.decide(b(rt), explore=True)
+    more = {**three, **{f"new{j}": 0.7 for j in range(3)}}
+    learn(more, 99)
+    quiet = {rt: p.decide(b(rt), explore=False).k for rt in more}
+    assert len(set(quiet.values())) > 1  # per-type incumbents next to shared-k ones: not a row of the grid
+    for _ in range(3):
+        learn(more, 100)
+        ks = {rt: p.decide(b(rt), explore=True).k for rt in more}
+        assert all(0 <= k <= 8 for k in ks.values())
