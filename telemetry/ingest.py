@@ -2,14 +2,8 @@
 
 One :meth:`Consumer.step` reads a batch of entries (first any a dead consumer left pending too long, then new
 ones), validates each, moves invalid ones to the dead-letter stream with their reason (counted by reason),
-stores the valid ones and acknowledges them only after the commit. A crash between commit and acknowledgement
-redelivers entries the store already holds; idempotent ingestion stores them once.
-
-A read of more than ``store_chunk`` entries is handed to the store chunk by chunk, on a writer thread, in one
-transaction (:meth:`~telemetry.store.Store.ingest_chunks`): while the database writes one chunk, this thread
-decodes and validates the next, so the database's time (another process, with the GIL released while the
-driver waits) overlaps the decoding instead of adding to it, and the read still pays one commit and is stored
-whole or not at all.
+stores the valid ones in one transaction and acknowledges them only after the commit. A crash between commit
+and acknowledgement redelivers entries the store already holds; idempotent ingestion stores them once.
 
 Bad input never crashes the loop and is never silently dropped. A store or transport outage is counted and the
 step returns nothing; the unacknowledged entries stay pending and are claimed again after ``claim_min_idle_ms``.
@@ -29,11 +23,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from queue import SimpleQueue
 
 from telemetry.cardinality import CardinalityGate, Split
 from telemetry.errors import StoreError, StoreRejectedError, TransportError
@@ -56,8 +48,7 @@ class ConsumerConfig:
     """One sidecar consumer in the ``sidecar`` group."""
 
     consumer: str = field(default_factory=default_consumer_name)  # name within the consumer group
-    count: int = 512  # entries per read: large reads amortise the read and the store transactions
-    store_chunk: int = 128  # entries handed to the store at a time; the next chunk is decoded while it writes
+    count: int = 512  # entries per read: large reads amortise the store transaction
     block_ms: int = 200  # how long a read waits for new entries
     claim_min_idle_ms: int = 30_000  # entries pending this long belong to a consumer presumed dead
     claim_interval_s: float = 5.0  # how often to look for such entries
@@ -66,9 +57,8 @@ class ConsumerConfig:
     def __post_init__(self) -> None:
         if not self.consumer or len(self.consumer) > MAX_NAME_LEN:
             raise ValueError(f"ConsumerConfig.consumer must be 1..{MAX_NAME_LEN} chars")
-        if self.count < 1 or self.store_chunk < 1 or self.block_ms < 0 or self.claim_min_idle_ms < 0:
-            raise ValueError("ConsumerConfig needs count >= 1, store_chunk >= 1, block_ms >= 0 and "
-                             "claim_min_idle_ms >= 0")
+        if self.count < 1 or self.block_ms < 0 or self.claim_min_idle_ms < 0:
+            raise ValueError("ConsumerConfig needs count >= 1, block_ms >= 0 and claim_min_idle_ms >= 0")
         if self.claim_interval_s < 0 or self.backoff_s < 0:
             raise ValueError("ConsumerConfig intervals must be >= 0")
 
@@ -89,19 +79,6 @@ class ConsumerStats:
     refused: int = 0  # valid batches the database refused (dead-lettered as store_rejected); not duplicates
     transport_ok: bool = True  # the latest transport call succeeded (failures above are cumulative)
     store_ok: bool = True  # the latest store call succeeded
-
-
-@dataclass
-class _Read:
-    """What one read's entries became: their payloads (for dead letters), the valid batches and the gate's
-    excess."""
-
-    payloads: dict[str, bytes]  # entry id -> payload
-    valid: list[tuple[str, WindowBatch]] = field(default_factory=list)
-    excess: dict[str, Split] = field(default_factory=dict)  # windows the gate refused, by entry id
-
-
-_END = None  # ends the chunks handed to the writer thread
 
 
 @contextmanager
@@ -150,7 +127,6 @@ class Consumer:
         self._inflight: dict[str, None] = {}
         self._rejected: dict[str, int] = {}
         self._last_error: str | None = None
-        self._executor: ThreadPoolExecutor | None = None  # the writer thread, started by the first store
 
     @property
     def config(self) -> ConsumerConfig:
@@ -191,35 +167,8 @@ class Consumer:
 
     def _settle(self, entries: list[Entry]) -> list[WindowBatch]:
         """Validate, store and acknowledge the entries of one read."""
-        n = self._cfg.store_chunk
-        read = _Read({eid: p for eid, p in entries})
-        if len(entries) <= n:  # one chunk: nothing to overlap, stored on this thread
-            if not self._validate(entries, read):
-                return []
-            return self._store_and_ack(read, lambda: self._store.ingest_new([b for _, b in read.valid]))
-        chunks: SimpleQueue[list[WindowBatch] | None] = SimpleQueue()
-        stored: Future[list[WindowBatch]] | None = None
-        try:
-            for i in range(0, len(entries), n):
-                batches = self._validate(entries[i : i + n], read)  # while the writer stores the chunk before
-                if batches:
-                    chunks.put(batches)
-                    if stored is None:
-                        stored = self._writer().submit(self._store.ingest_chunks, iter(chunks.get, _END))
-        except BaseException:
-            chunks.put(_END)
-            if stored is not None:  # the writer commits what it got (redelivered later, stored once): let it end
-                wait([stored])
-            raise
-        chunks.put(_END)
-        if stored is None:
-            return []
-        return self._store_and_ack(read, stored.result)
-
-    def _validate(self, entries: list[Entry], read: _Read) -> list[WindowBatch]:
-        """Decode entries, dead-letter the invalid ones, split the rest through the gate; returns (and adds to
-        ``read``) the valid batches."""
-        out: list[WindowBatch] = []
+        valid: list[tuple[str, WindowBatch]] = []
+        excess: dict[str, Split] = {}
         for eid, payload in entries:
             try:
                 batch = decode_batch(payload)
@@ -232,24 +181,18 @@ class Consumer:
                     self._reject_excess(eid, payload, split)
                     continue
                 if split.excess:
-                    read.excess[eid] = split
+                    excess[eid] = split
                 batch = split.admitted
-            read.valid.append((eid, batch))
-            out.append(batch)
-        return out
+            valid.append((eid, batch))
+        if not valid:
+            return []
+        return self._store_and_ack(valid, {eid: p for eid, p in entries}, excess)
 
-    def _writer(self) -> ThreadPoolExecutor:
-        if self._executor is None:  # one thread: one read is stored at a time
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="spectune-store")
-        return self._executor
-
-    def _store_and_ack(self, read: _Read, stored: Callable[[], list[WindowBatch]]) -> list[WindowBatch]:
-        """Store (``stored`` runs or waits for the store of every valid batch), count, dead-letter the gate's
-        excess, acknowledge; returns the batches newly stored."""
-        valid, payloads, excess = read.valid, read.payloads, read.excess
+    def _store_and_ack(self, valid: list[tuple[str, WindowBatch]], payloads: dict[str, bytes],
+                       excess: dict[str, Split] | None = None) -> list[WindowBatch]:
         refused = 0
         try:
-            fresh = stored()
+            fresh = self._store.ingest_new([b for _, b in valid])
         except StoreRejectedError:
             # One poisonous batch must not block the others: store them one by one, dead-letter the refused.
             fresh, done = [], []

@@ -161,75 +161,42 @@ class Store(Database):
 
     def ingest_new(self, batches: Sequence[WindowBatch]) -> list[WindowBatch]:
         """Like :meth:`ingest`, returning the batches that were new (feed only these to the policies)."""
-        return self.ingest_chunks([batches])
-
-    def ingest_chunks(self, chunks: Iterable[Sequence[WindowBatch]]) -> list[WindowBatch]:
-        """Like :meth:`ingest_new` for batches handed over in chunks, all in one transaction: each chunk is written
-        as it comes, and the transaction commits after the last. A caller iterating a queue on another thread
-        prepares the next chunk while the database writes this one, and pays one commit for all of them.
-
-        Returns:
-            The batches that were new, in the order given (a batch given twice counts once).
-        """
-        chunks = iter(chunks)
-        first = next(chunks, None)
-        while first is not None and not first:
-            first = next(chunks, None)
-        if first is None:
-            return []
-        fresh: list[WindowBatch] = []
-        ids = self._acc_ids, self._cost_ids
-        with self._session("storing window batches") as s:
-            for batches in chain([first], chunks):
-                ids = self._write(s, batches, ids, fresh)
-        self._acc_ids, self._cost_ids = ids  # committed: later transactions may rely on them
-        return fresh
-
-    def _write(self, s: Session, batches: Sequence[WindowBatch], ids: tuple[dict[AccKey, int], dict[CostKey, int]],
-               fresh_out: list[WindowBatch]) -> tuple[dict[AccKey, int], dict[CostKey, int]]:
-        """Write one chunk of batches in the session's transaction; appends the new ones to ``fresh_out``.
-
-        Args:
-            ids: the bucket-id maps so far in this transaction (see :meth:`_bucket_ids`).
-
-        Returns:
-            The bucket-id maps including the keys this chunk registered.
-        """
         unique: dict[tuple[str, int], WindowBatch] = {}
         for b in batches:
             unique.setdefault((b.engine_id, b.seq), b)
         if not unique:
-            return ids
+            return []
         now = time.time()
-        self._upsert_engines(s, {b.engine_id for b in unique.values()}, now)
-        items = list(unique.values())
-        new_ids = self._claim_batches(s, items, now)
-        fresh = [b for b in items if (b.engine_id, b.seq) in new_ids]
-        fresh_out += fresh
-        bids = [new_ids[(b.engine_id, b.seq)] for b in fresh]
-        # Every window of every fresh batch, with its batch id beside it: C loops over all windows at once
-        # (attrgetter, map, zip), no Python call per window; rows go to the database column-wise.
-        accs = _flatten(fresh, _ACCEPTANCE)
-        costs = _flatten(fresh, _COST)
-        acc_keys = list(map(_ACC_KEY, accs))
-        cost_keys = list(map(_COST_KEY, costs))
-        acc_ids, cost_ids = ids = self._bucket_ids(s, acc_keys, cost_keys, *ids)
-        acc_cols = [_repeat_per(bids, fresh, _ACCEPTANCE), list(map(acc_ids.__getitem__, acc_keys)),
-                    *(list(map(getter, accs)) for getter in _ACC_GETTERS), list(map(_JSON, map(_HIST, accs)))]
-        cost_cols = [_repeat_per(bids, fresh, _COST), list(map(cost_ids.__getitem__, cost_keys)),
-                     *(list(map(getter, costs)) for getter in _COST_GETTERS)]
-        sampled = _flatten(fresh, _SAMPLED)
-        sampled_cols = [_repeat_per(bids, fresh, _SAMPLED),
-                        list(map(str.encode, _repeat_per([b.engine_id for b in fresh], fresh, _SAMPLED))),
-                        list(map(_JSON, sampled))]
-        for table, cols, columns in (
-            (AcceptanceWindowRow, ACCEPTANCE_COLUMNS, acc_cols),
-            (CostWindowRow, COST_COLUMNS, cost_cols),
-            (SampledRoundRow, SAMPLED_COLUMNS, sampled_cols),
-        ):
-            if columns[0]:
-                self._bulk_insert(s, table, cols, columns)
-        return ids
+        with self._session("storing window batches") as s:
+            self._upsert_engines(s, {b.engine_id for b in unique.values()}, now)
+            items = list(unique.values())
+            new_ids = self._claim_batches(s, items, now)
+            fresh = [b for b in items if (b.engine_id, b.seq) in new_ids]
+            bids = [new_ids[(b.engine_id, b.seq)] for b in fresh]
+            # Every window of every fresh batch, with its batch id beside it: C loops over all windows at once
+            # (attrgetter, map, zip), no Python call per window; rows go to the database column-wise.
+            accs = _flatten(fresh, _ACCEPTANCE)
+            costs = _flatten(fresh, _COST)
+            acc_keys = list(map(_ACC_KEY, accs))
+            cost_keys = list(map(_COST_KEY, costs))
+            acc_ids, cost_ids = self._bucket_ids(s, acc_keys, cost_keys)
+            acc_cols = [_repeat_per(bids, fresh, _ACCEPTANCE), list(map(acc_ids.__getitem__, acc_keys)),
+                        *(list(map(getter, accs)) for getter in _ACC_GETTERS), list(map(_JSON, map(_HIST, accs)))]
+            cost_cols = [_repeat_per(bids, fresh, _COST), list(map(cost_ids.__getitem__, cost_keys)),
+                         *(list(map(getter, costs)) for getter in _COST_GETTERS)]
+            sampled = _flatten(fresh, _SAMPLED)
+            sampled_cols = [_repeat_per(bids, fresh, _SAMPLED),
+                            list(map(str.encode, _repeat_per([b.engine_id for b in fresh], fresh, _SAMPLED))),
+                            list(map(_JSON, sampled))]
+            for table, cols, columns in (
+                (AcceptanceWindowRow, ACCEPTANCE_COLUMNS, acc_cols),
+                (CostWindowRow, COST_COLUMNS, cost_cols),
+                (SampledRoundRow, SAMPLED_COLUMNS, sampled_cols),
+            ):
+                if columns[0]:
+                    self._bulk_insert(s, table, cols, columns)
+        self._acc_ids, self._cost_ids = acc_ids, cost_ids  # committed: later transactions may rely on them
+        return fresh
 
     def _claim_batches(self, s: Session, items: list[WindowBatch], now: float) -> dict[tuple[str, int], int]:
         """Insert one ``ingested_batches`` row per batch, skipping ``(engine_id, seq)`` pairs already stored.
@@ -277,15 +244,14 @@ class Store(Database):
         s.execute(stmt)
 
     def _bucket_ids(
-        self, s: Session, acc_keys: list[AccKey], cost_keys: list[CostKey], acc_ids: dict[AccKey, int],
-        cost_ids: dict[CostKey, int],
+        self, s: Session, acc_keys: list[AccKey], cost_keys: list[CostKey]
     ) -> tuple[dict[AccKey, int], dict[CostKey, int]]:
         """Bucket key -> id maps covering ``acc_keys`` and ``cost_keys``, registering keys seen for the first time.
 
-        Window rows hold a bucket id instead of their key, and no foreign key, so ids come only from here. The
-        maps given are the store's cache or, later in a transaction, what earlier chunks of it returned; the cache
-        is replaced only after the registering transaction committed (see :meth:`ingest_chunks`).
+        Window rows hold a bucket id instead of their key, and no foreign key, so ids come only from here: the
+        cached maps are replaced only after the registering transaction committed (see :meth:`ingest_new`).
         """
+        acc_ids, cost_ids = self._acc_ids, self._cost_ids
         new_acc = set(acc_keys).difference(acc_ids)
         new_cost = set(cost_keys).difference(cost_ids)
         if not new_acc and not new_cost:

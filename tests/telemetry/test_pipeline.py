@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 
 import msgpack
 import pytest
@@ -183,11 +184,10 @@ def test_in_process_transport_has_the_same_semantics(sqlite_url: str) -> None:
     assert t.pending == 0 and [d.reason for d in t.dead_letters()] == ["undecodable"]
 
 
-def test_one_read_in_several_store_chunks_stores_the_good_once_dead_letters_the_bad_counts_the_duplicate(
+def test_a_read_with_a_duplicate_and_a_bad_entry_stores_the_good_once_and_dead_letters_the_bad(
     redis_transport: RedisStreamsTransport, db_url: str
 ) -> None:
-    # One read of 9 entries, stored 2 at a time: a redelivered batch and an invalid one sit between good ones,
-    # some chunks mixing them.
+    # One read of 9 entries: a redelivered batch and an invalid one sit between good ones.
     upgrade(db_url)
     bad = _valid_dict(4)
     bad["acceptance"][0]["drafted"] += 1
@@ -196,49 +196,15 @@ def test_one_read_in_several_store_chunks_stores_the_good_once_dead_letters_the_
     payloads += [encode_batch(_valid_batch(seq)) for seq in (5, 6, 7, 8)]
     redis_transport.publish(payloads)
     with Store(db_url) as store:
-        c = Consumer(redis_transport, store, ConsumerConfig(consumer="c", count=9, store_chunk=2, block_ms=50))
+        c = Consumer(redis_transport, store, ConsumerConfig(consumer="c", count=9, block_ms=50))
         got = c.step()
         assert [b.seq for b in got] == [1, 2, 3, 5, 6, 7, 8]  # in the order read, each once
         s = c.stats()
         assert (s.received, s.stored, s.duplicates, s.rejected) == (9, 7, 1, {"bad_drafted": 1})
         assert store.batch_count() == 7
         assert [w.window for w in store.acceptance_windows()] == [a for b in got for a in b.acceptance]
+        assert [w.window for w in store.cost_windows()] == [x for b in got for x in b.cost]
     assert [d.reason for d in redis_transport.dead_letters()] == ["bad_drafted"]
-    assert redis_transport.client.xpending(redis_transport.stream, GROUP)["pending"] == 0
-
-
-def test_a_store_failure_mid_read_stores_nothing_of_it_and_the_read_is_claimed_again_whole(
-    redis_transport: RedisStreamsTransport, db_url: str
-) -> None:
-    # The chunks of one read share one transaction: the first chunk is written, the second fails, and nothing of
-    # the read is stored; all of it stays pending and is stored once when claimed back.
-    from unittest import mock
-
-    from telemetry.errors import StoreError
-
-    upgrade(db_url)
-    redis_transport.publish([encode_batch(_valid_batch(seq)) for seq in range(1, 7)])
-    with Store(db_url) as store:
-        real = store._write
-        chunks: list[int] = []
-
-        def second_fails(s, batches, *rest):  # type: ignore[no-untyped-def]
-            chunks.append(len(batches))
-            if len(chunks) == 2:
-                raise StoreError("database down")
-            return real(s, batches, *rest)
-
-        cfg = ConsumerConfig(consumer="c", count=6, store_chunk=2, block_ms=50, claim_min_idle_ms=0,
-                             claim_interval_s=0.0, backoff_s=0.0)
-        c = Consumer(redis_transport, store, cfg)
-        with mock.patch.object(store, "_write", side_effect=second_fails):
-            assert c.step() == []
-        s = c.stats()
-        assert chunks == [2, 2] and (s.stored, s.store_failures, s.store_ok) == (0, 1, False)
-        assert store.batch_count() == 0  # the first chunk was rolled back with the second
-        assert redis_transport.client.xpending(redis_transport.stream, GROUP)["pending"] == 6
-        assert [b.seq for b in _drain(c, 6)] == [1, 2, 3, 4, 5, 6]  # claimed back, each stored once, in order
-        assert c.stats().reclaimed == 6 and store.batch_count() == 6
     assert redis_transport.client.xpending(redis_transport.stream, GROUP)["pending"] == 0
 
 
@@ -259,5 +225,23 @@ def test_the_collector_is_paused_only_during_a_step() -> None:
         assert not gc.isenabled()  # off before: left off
     finally:
         gc.enable()
-    with pytest.raises(ValueError, match="store_chunk"):
-        ConsumerConfig(consumer="c", store_chunk=0)
+
+
+def test_a_step_decodes_and_stores_with_the_collector_paused(sqlite_url: str) -> None:
+    import gc
+
+    upgrade(sqlite_url)
+    t = InProcessTransport()
+    t.publish([encode_batch(_valid_batch(seq)) for seq in (1, 2)])
+    with Store(sqlite_url) as store:
+        seen: list[bool] = []
+        real = store.ingest_new
+
+        def ingest_new(batches: Sequence[WindowBatch]) -> list[WindowBatch]:
+            seen.append(gc.isenabled())
+            return real(batches)
+
+        store.ingest_new = ingest_new  # type: ignore[method-assign]
+        c = Consumer(t, store, ConsumerConfig(consumer="c", block_ms=10))
+        assert len(c.step()) == 2
+    assert seen == [False] and gc.isenabled()

@@ -85,26 +85,6 @@ def test_ingest_is_idempotent_and_round_trips(db_url: str) -> None:
         assert s.sampled_rounds()[0] == json.loads(json.dumps(asdict(batches[0].sampled_rounds[0])))
 
 
-def test_chunks_are_one_transaction_and_a_batch_in_two_chunks_is_stored_once(db_url: str) -> None:
-    upgrade(db_url)
-    first = _batches(3)
-    other = _batches(2, engine_id="e2", seed=7)  # buckets first seen in a later chunk of the same transaction
-    with Store(db_url) as s:
-        assert s.ingest_chunks([]) == [] and s.ingest_chunks([[], []]) == []
-        got = s.ingest_chunks([[], first[:2], [first[1], first[2]], other])
-        assert got == [*first, *other]  # in order, the repeated batch once
-        assert s.ingest_chunks([first]) == []  # all redeliveries
-        assert [w.window for w in s.acceptance_windows()] == [a for b in got for a in b.acceptance]
-        assert [w.window for w in s.cost_windows()] == [c for b in got for c in b.cost]
-        if db_url.startswith("postgresql"):  # a chunk the database refuses takes the chunks before it along
-            late = _batches(2, engine_id="e3", seed=8)
-            huge = replace(late[1], acceptance=(replace(late[1].acceptance[0], rows=2**31),))
-            with pytest.raises(StoreRejectedError):
-                s.ingest_chunks([[late[0]], [huge]])
-            assert s.batch_count() == 5
-            assert s.ingest_chunks([late]) == late  # nothing of the failed transaction stayed behind
-
-
 def test_a_value_past_its_column_is_refused_on_postgresql_and_nothing_of_the_batch_is_stored(db_url: str) -> None:
     # Counts are 64-bit on the wire; acceptance counts are INTEGER columns. PostgreSQL refuses what does not fit
     # (the binary COPY refuses it before sending); SQLite's INTEGER holds 64 bits.
