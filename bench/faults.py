@@ -36,7 +36,8 @@ subset; each starts from a running system, what an earlier one left down is star
   2x its idle RSS.
 - ``forged_tables``: forged (version far ahead), stale, oversized, garbage and wrong-Redis-type values written
   to the engines' policy key, and the key deleted; how long each stays before the sidecar puts the store's table
-  back, and whether the engine adopted the forgery (``engine_stuck_on_forged``).
+  back, and whether the engine stayed on the forgery (``engine_stuck_on_forged``; the client follows an older table
+  back once it has held the key for ``ClientConfig.rollback_after_s``: ``engine_back_on_store_s``).
 - ``scaleout``: ``bench._faults_scaleout.run_scaleout`` (three sidecars, kill -9 the leader), when present.
 
 Per scenario: ``windows_sent/stored/lost/duplicated``, ``engine_crashed``, ``sidecar_crashed``, ``recovery_s``
@@ -78,6 +79,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
 from bench._common import write_results
+from controller.client import ClientConfig
 from telemetry.aggregate import aggregate
 from telemetry.policy_table import MAX_TABLE_BYTES, policy_table_from_json, table_to_json
 from telemetry.records import MAX_ENCODED_BYTES, AcceptanceWindow, PolicyTable, RecordError, WindowBatch
@@ -1126,13 +1128,23 @@ def scenario_forged_tables(s: Suite) -> dict[str, Any]:
         h = s.sc.health() or {}
         rec["policy_version_ahead"] = h.get("policy_version_ahead")
         if s.engine is not None:
-            time.sleep(1.0)
+            # A forged table ahead of the store, once adopted, makes the engine refuse the store's (older) one at
+            # first; the client follows an older table back once it has held the key for its rollback_after_s.
+            wait_s = ClientConfig("t", "d").rollback_after_s + 5.0
+            t_back = time.time()
+
+            def engine_on_store() -> bool:
+                v = ((s.engine.lines() if s.engine else None) or [{}])[-1].get("version") or 0
+                return 0 < v <= (s.db.latest_policy_version() or 0)
+
+            with contextlib.suppress(FaultSuiteError):
+                wait_for(engine_on_store, wait_s, "the engine to follow the store's table back", every_s=0.25)
             last = (s.engine.lines() or [{}])[-1]
             rec["engine_policy_version"] = last.get("version")
             rec["store_policy_version"] = s.db.latest_policy_version()
             rec["engine_rejected"] = last.get("rejected")
-            # A forged table ahead of the store, once adopted, makes the engine refuse the store's (older) ones.
             rec["engine_stuck_on_forged"] = (last.get("version") or 0) > (rec["store_policy_version"] or 0)
+            rec["engine_back_on_store_s"] = None if rec["engine_stuck_on_forged"] else round(time.time() - t_back, 2)
     return rec
 
 
@@ -1282,6 +1294,23 @@ def evaluate(scenarios: dict[str, dict[str, Any]], engine: dict[str, Any] | None
                                    None if ratio is None else ratio <= TARGET_RSS_RATIO),
         "fuzz_unaccounted": t(fuzz_left, 0, None if fuzz_left is None else fuzz_left == 0),
         "policy_errors": t(policy_errors, 0, policy_errors == 0),  # decision ticks lost to a policy exception
+        "engine_stuck_on_forged": t(ran.get("forged_tables", {}).get("engine_stuck_on_forged"), False,
+                                    None if "engine_stuck_on_forged" not in ran.get("forged_tables", {})
+                                    else not ran["forged_tables"]["engine_stuck_on_forged"]),
+        **_scaleout_targets(ran.get("scaleout")),
+    }
+
+
+def _scaleout_targets(so: dict[str, Any] | None) -> dict[str, Any]:
+    """Several sidecars: one publisher at a time, failover within the lease + 2 s, no flips without a change."""
+    if not so:
+        return {}
+    limit = so.get("lease_ms", 2000) / 1000.0 + 2.0
+    fo, pub, flips = so.get("failover_s"), so.get("publishers_at_once"), so.get("table_flips")
+    return {
+        "scaleout_publishers_at_once": {"value": pub, "target": 1, "met": None if pub is None else pub == 1},
+        "scaleout_failover_s": {"value": fo, "target": limit, "met": None if fo is None else fo <= limit},
+        "scaleout_table_flips": {"value": flips, "target": 0, "met": None if flips is None else flips == 0},
     }
 
 
