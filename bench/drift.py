@@ -361,7 +361,7 @@ def injected(cal: Calibration, spec: WindowSpec, ks: dict[str, int], plan: SimPl
                     early[c] += len(raised)
                 elif _hits(raised, kind, rtype):
                     first[c] = end - changed_at
-                    first_rows[c] = rows_after
+                    first_rows[c] = rows_after if rtype is not None else None  # rows: acceptance only
             if changed_at is not None and (end - changed_at > plan.watch_rounds or all(
                     v is not None for v in first.values())):
                 break
