@@ -79,6 +79,8 @@ from telemetry.wire import parse_bucket_key
 if TYPE_CHECKING:
     from controller.service.alerts import AlertManager
 
+PEER_ALERTS_EVERY_S = 1.0  # with a lease: how often the alerts other sidecars stored are read (re-opening)
+PEER_ALERTS_READ = 200  # newest acceptance_drift alerts read each time
 HISTORY_KEEP = 1000  # decisions kept in memory for the demo and the HTTP endpoint
 ERROR_BACKOFF_S = 0.5  # pause after an unexpected error, so a persistent fault is not a busy loop
 MAX_CATCH_UP_POLLS = 1000  # a new leader reads the feed to its end before deciding, at most this many pages
@@ -191,6 +193,8 @@ class Sidecar:
         self.metrics = metrics or SidecarMetrics()
         self.alerts = alerts
         self.recent_alerts: list[Alert] = []  # raised by this sidecar, newest last (the demo's report)
+        self._peer_alerts_after: int | None = None  # the newest stored alert id already considered (with a lease)
+        self._next_peer_alerts = 0.0
         self.alert_failures = 0  # batches the alert manager raised on, and re-opens the policy refused
         self.reopened = 0  # buckets re-opened after an acceptance drift
         self._gate = CardinalityGate(config.limits)  # fed by the consumer, seeded by the start-up replay
@@ -273,6 +277,7 @@ class Sidecar:
         if self.lease is not None:
             self._follow_lease()
             self._poll_feed()
+            self._reopen_from_peers()
         now = time.monotonic()
         if self._leader and (self._since_decide >= self.config.publish_every_windows or now >= self._next_tick):
             self.publish_if_changed("learned")
@@ -465,6 +470,30 @@ class Sidecar:
                 self._reopen(a)
         self.recent_alerts += raised
         del self.recent_alerts[:-HISTORY_KEEP]
+
+    def _reopen_from_peers(self) -> None:
+        """With several sidecars each detector sees only its own consumer's share of the windows, so a drift may
+        be raised by any of them: every sidecar re-opens the buckets of ``acceptance_drift`` alerts its peers
+        stored (its own were re-opened when raised), at most every ``PEER_ALERTS_EVERY_S``."""
+        store = self.alerts.store if self.alerts is not None else None
+        now = time.monotonic()
+        if store is None or now < self._next_peer_alerts:
+            return
+        self._next_peer_alerts = now + PEER_ALERTS_EVERY_S
+        try:
+            newest = store.list_alerts(limit=PEER_ALERTS_READ, kind=ACCEPTANCE_DRIFT)
+        except StoreError as e:
+            self._error(e)
+            return
+        if self._peer_alerts_after is None:  # start from what is stored now: older drifts are the past
+            self._peer_alerts_after = max((a.id or 0 for a in newest), default=0)
+            return
+        mine = {a.id for a in self.recent_alerts}
+        fresh = [a for a in reversed(newest) if (a.id or 0) > self._peer_alerts_after and a.id not in mine]
+        self._peer_alerts_after = max([self._peer_alerts_after, *(a.id or 0 for a in newest)])
+        with self._lock:
+            for a in fresh:
+                self._reopen(a)
 
     def _reopen(self, a: Alert) -> None:
         """Widen exploration of the drifted acceptance bucket (``target|draft|type|*|context``)."""

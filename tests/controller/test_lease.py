@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from unittest import mock
 
 import pytest
 import redis
@@ -265,3 +266,39 @@ def test_the_publish_itself_is_fenced_by_the_lease_token(redis_url: str, redis_p
         pub.close()
         r.delete(keys.leader, keys.policy)
         r.close()
+
+
+def test_an_acceptance_drift_a_peer_raised_reopens_the_bucket_here(redis_url: str, redis_prefix: str,
+                                                                   pg_url: str) -> None:
+    # Each sidecar's detectors see only its own consumer's share of the windows, so the sidecar that notices a
+    # drift may be a follower: the leader (and every warm standby) re-opens the bucket from the stored alert.
+    from controller.service.alerts import AlertConfig, AlertManager
+    from controller.service.sidecar import PEER_ALERTS_EVERY_S
+    from telemetry.alerts import ACCEPTANCE_DRIFT, Alert
+    from telemetry.alerts_store import AlertStore
+
+    Store(pg_url, auto_upgrade=True).close()
+    alert_store = AlertStore(pg_url)
+    rcfg = RedisConfig(prefix=redis_prefix)
+    feed(RedisStreamsTransport(redis_url, rcfg), 100, per_window=20)
+    mgr = AlertManager(AlertConfig(), store=alert_store)
+    sc = Sidecar(SidecarConfig(consumer=ConsumerConfig(consumer="a", count=8, block_ms=5)),
+                 RedisStreamsTransport(redis_url, rcfg), Store(pg_url), REGISTRY["goodput"](k_max=8),
+                 RedisPublisher(redis_url, redis_prefix), alerts=mgr,
+                 lease=lease(redis_url, redis_prefix, "a", SIDECAR_LEASE_MS))
+    try:
+        sc.step()  # reads what is stored now: drifts from before it started are the past
+        peer = alert_store.add(Alert(kind=ACCEPTANCE_DRIFT, bucket="target-v1|draft-v1|structured|*|<=512",
+                                     target_version="target-v1", draft_version="draft-v1", detected_at=time.time(),
+                                     message="a peer saw structured fall", k=3))
+        with mock.patch.object(sc.policy, "reopen") as reopen:
+            time.sleep(PEER_ALERTS_EVERY_S + 0.05)
+            sc.step()
+            sc.step()  # read once only
+        reopen.assert_called_once_with("target-v1", "draft-v1", "structured", "<=512")
+        assert sc.reopened == 1 and peer.id is not None
+    finally:
+        sc.release_lease()
+        mgr.close()
+        sc.store.close()
+        alert_store.close()
