@@ -55,8 +55,8 @@ class ClientConfig:
     redis_url: str | None = None  # None: in-process only (tables arrive through apply())
     prefix: str = DEFAULT_PREFIX  # must match the sidecar's
     refresh_s: float = 1.0  # timer refresh, the safety net under the pub/sub nudge
-    # An older table that stays at the policy key this long is followed back (see PolicyClient.refresh): the
-    # sidecar put it there over a table its store never made (a forged or foreign version ahead of it).
+    # When the policy key has held only tables older than ours for this long, the newest is followed back (see
+    # PolicyClient.refresh): the sidecar put them there over a table its store never made (a forged version).
     rollback_after_s: float = 10.0
     buckets: BucketConfig = DEFAULT_BUCKETS  # must match the sidecar's
 
@@ -88,7 +88,7 @@ class ClientStatus:
     connected: bool  # Redis answered on the last attempt (always False in embedded mode)
     tables_applied: int
     rejected: dict[str, int]  # tables refused, by reason
-    rollbacks: int  # older tables followed back after they held the policy key for rollback_after_s
+    rollbacks: int  # times the key held only older tables for rollback_after_s and the client followed them back
     last_error: str | None  # the latest rejection or connection error, verbatim
     last_update_at: float | None  # wall-clock seconds when the table in force was applied
     detail: str  # one sentence saying what is happening
@@ -131,7 +131,7 @@ class PolicyClient:
         self._last_update: float | None = None
         self._connected = False
         self._last_raw: bytes | None = None  # the value of {prefix}:policy last processed
-        self._older_since: float | None = None  # when _last_raw, an older table than ours, was first refused
+        self._older_since: float | None = None  # since when the key has held only tables older than ours
         self._rollbacks = 0
         self._oversize_len: int | None = None  # length of the oversized value last refused unread
         self._stop = threading.Event()
@@ -242,18 +242,22 @@ class PolicyClient:
             stale_before = self._rejected.get("stale_version", 0)
             ok = self.apply_json(raw)  # type: ignore[arg-type]
             older = not ok and self._rejected.get("stale_version", 0) > stale_before
-            self._older_since = time.monotonic() if older else None
-        elif raw is not None and self._older_since is not None and (
+            if not older:
+                self._older_since = None
+            elif self._older_since is None:  # the sidecar's newer tables stay older than ours: one stretch
+                self._older_since = time.monotonic()
+        if raw is not None and self._older_since is not None and (
                 time.monotonic() - self._older_since >= self._cfg.rollback_after_s):
-            # Versions only go up while the sidecar publishes (its write is compare-and-set), so an older table
-            # that stays is the sidecar's own store-backed table put back over one it never made (a forged or
-            # foreign version ahead of its store). A table pushed by hand and overwritten meanwhile never stays.
+            # Versions only go up while the sidecar publishes (its write is compare-and-set), so tables older than
+            # ours that keep coming are the sidecar's own store-backed ones, put back over one it never made (a
+            # forged or foreign version ahead of its store). An older table pushed by hand is soon replaced by the
+            # sidecar's, which ours is not newer than, and ends the stretch.
             self._older_since = None
             was = self.version
             if self.apply_json(raw, allow_older=True):  # type: ignore[arg-type]
                 self._rollbacks += 1
-                self._last_error = (f"followed the policy key back from v{was} to v{self.version}: the older table "
-                                    f"held the key for {self._cfg.rollback_after_s:g} s (the sidecar replaced a "
+                self._last_error = (f"followed the policy key back from v{was} to v{self.version}: it held only "
+                                    f"older tables for {self._cfg.rollback_after_s:g} s (the sidecar replaced a "
                                     "table its store never made)")
         return True
 
