@@ -52,6 +52,7 @@ MAX_BODY_BYTES = 16 << 10  # a pin request is a few hundred bytes
 MAX_LIMIT = 1000  # history / dead-letter pages
 PAYLOAD_PREVIEW = 200  # bytes of a dead letter's payload shown
 SWEEP_S = 0.1  # how often the accept thread closes connections idle past their deadline
+METRICS_MAX_AGE_S = 1.0  # GET /metrics may serve a rendering this old (scrapers poll every 10-60 s)
 BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
                  b'Content-Length: 62\r\n\r\n{"error": "too many requests; retry", "reason": "overloaded"}\n')
 
@@ -60,7 +61,7 @@ BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application
 class HttpConfig:
     """How the operator endpoint serves: bounded threads, timeouts, a real listen backlog."""
 
-    workers: int = 8  # threads answering requests; the endpoint is for operators and scrapers, not traffic
+    workers: int = 4  # threads answering requests (sub-ms each; more only add GIL switching on a small machine)
     idle_timeout_s: float = 5.0  # a keep-alive connection with no request this long is closed
     request_timeout_s: float = 10.0  # a request (headers and body) or a response write may take this long
     max_queued: int = 256  # connections with a request waiting for a worker; past this: 503 at once
@@ -170,7 +171,7 @@ class _Handler(BaseHTTPRequestHandler):
             table = sc.publish_now(f"unpin {key}")
             return self._json(200, {"unpinned": key, "policy_version": table.version if table else sc.version})
         if method == "GET" and path == "/metrics":
-            return self._send(200, sc.metrics.exposition(), CONTENT_TYPE_LATEST)
+            return self._send(200, sc.metrics.exposition(METRICS_MAX_AGE_S), CONTENT_TYPE_LATEST)
         if method == "GET" and path == "/deadletter":
             limit = _limit(query, 50)
             return self._json(200, [

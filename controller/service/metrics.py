@@ -21,6 +21,9 @@ Labels are the acceptance bucket: ``target_version``, ``draft_version``, ``reque
 
 from __future__ import annotations
 
+import threading
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from telemetry.records import WILDCARD, AcceptanceWindow
@@ -41,6 +44,8 @@ class SidecarMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._expo_lock = threading.Lock()
+        self._expo: tuple[float, bytes] | None = None  # (monotonic time, body) of the last rendering
         r = self.registry
         self.windows_ingested = Counter(
             "spectune_windows_ingested", "Window batches newly stored (redeliveries excluded).", registry=r)
@@ -153,6 +158,17 @@ class SidecarMetrics:
                 continue
             self.chosen_k.labels(t, d, r, str(bb), c).set(k)
 
-    def exposition(self) -> bytes:
-        """The text exposition format of this registry (what ``GET /metrics`` serves)."""
-        return generate_latest(self.registry)
+    def exposition(self, max_age_s: float = 0.0) -> bytes:
+        """The text exposition format of this registry (what ``GET /metrics`` serves).
+
+        Args:
+            max_age_s: a rendering at most this old may be served again (0: render now). Rendering takes
+                milliseconds of the sidecar's GIL; several scrapers, or a scraper retrying, share one per period.
+        """
+        now = time.monotonic()
+        with self._expo_lock:
+            if max_age_s > 0 and self._expo is not None and now - self._expo[0] <= max_age_s:
+                return self._expo[1]
+            body = generate_latest(self.registry)
+            self._expo = (now, body)
+            return body

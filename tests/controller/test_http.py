@@ -99,3 +99,14 @@ def test_bad_requests_are_400_with_a_reason_and_counted(server: Served, body: by
     assert call(srv, "GET", "/policy/history?limit=zero")[0] == 400
     assert call(srv, "GET", "/nowhere")[0] == 404
     assert call(srv, "GET", "/health")[0] == 200  # still serving
+
+
+def test_metrics_renderings_are_shared_within_their_max_age() -> None:
+    from controller.service.metrics import SidecarMetrics
+
+    m = SidecarMetrics()
+    first = m.exposition(max_age_s=60.0)
+    m.windows_ingested.inc(5)
+    assert m.exposition(max_age_s=60.0) is first  # within the age: the same rendering, no new work
+    fresh = m.exposition()  # max_age_s=0 renders now
+    assert fresh != first and b"spectune_windows_ingested_total 5.0" in fresh
