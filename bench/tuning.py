@@ -18,7 +18,8 @@ Sections:
 3. **tune**: ``spectune tune --target table`` on that store (the optuna study in the same database), seeded with the
    default table (static k=3 everywhere, StaticPolicy's default), cost from the cost model fitted on the stored cost
    windows. Then the exported tables: the tuned table projected onto a vLLM ``num_speculative_tokens_per_batch_size``
-   schedule and a TensorRT-LLM ``draft_len_schedule``, weighted by the tune part's traffic.
+   schedule and a TensorRT-LLM ``draft_len_schedule``: per batch bucket, the k of the tuned table with the highest
+   replayed tokens/s over the tune windows of that bucket (:meth:`Replay.best_schedule`, as ``spectune export``).
    Every table is scored twice: ``predicted_tok_s`` (analytic replay of the windows it was tuned on) and
    ``replayed_tok_s`` (round-level replay of the held-out windows, which no table was tuned on).
    ``tuned_over_default`` and ``exported_vllm_over_full_table`` are ratios of ``replayed_tok_s``.
@@ -344,7 +345,8 @@ def tune_and_export(db_url: str, preset: Preset, seed: int, work: Path, say: Cal
     traffic = pj.traffic_from_windows([w.window for w in tune_part.acceptance], [w.window for w in tune_part.cost],
                                       tuned, None)
     full = pj.table_k(tuned, traffic)
-    schedule = pj.project_batches(traffic, full)
+    # batch buckets the tune windows never saw keep the per-row model's projection
+    schedule = {**pj.project_batches(traffic, full), **replay.best_schedule(tuned)}
     exports = {"vllm": ex.vllm_export(schedule), "trtllm": ex.trtllm_export(schedule)}
     cells = sorted({(rt, bb, ctx) for spec, bb in zip(replay.load.specs, replay.load.buckets, strict=True)
                     for rt in replay.load.types for ctx in (spec.context,)}

@@ -19,6 +19,7 @@ from controller.offline.ingest import SOURCES, IngestConfig, IngestError, Ingest
 from telemetry.store import DEFAULT_DB_URL
 
 COMMANDS = ("ingest", "export")
+REPLAY_WINDOW_S = 0.5  # wall seconds of one replayed window (as spectune tune's default)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +122,7 @@ def _export(args: argparse.Namespace) -> int:
 
     acc: list[Any] = []
     cost: list[Any] = []
+    stored: tuple[list[Any], list[Any]] = ([], [])
     table = None
     if args.table is not None:
         try:
@@ -131,8 +133,9 @@ def _export(args: argparse.Namespace) -> int:
         with Store(args.db_url) as store:
             if table is None:
                 table = store.latest_policy_version()
-            acc = [w.window for w in store.acceptance_windows()]
-            cost = [w.window for w in store.cost_windows()]
+            stored = (store.acceptance_windows(), store.cost_windows())
+            acc = [w.window for w in stored[0]]
+            cost = [w.window for w in stored[1]]
     if table is None:
         raise ex.ExportError("no policy table: pass --table FILE, or --db-url of a store a sidecar has published to")
     versions = None
@@ -144,9 +147,14 @@ def _export(args: argparse.Namespace) -> int:
     full = pj.table_k(table, traffic)
     schedule = pj.project_batches(traffic, full)
     contexts = DEFAULT_BUCKETS.context_labels()
+    grid = pj.project_grid(traffic, full, contexts) if args.context_grid else None
+    replay = _replay(stored, table)
+    if replay is not None:  # cost windows stored: the packed-round cost model chooses among the table's ks
+        schedule.update(replay.best_schedule(table))
+        if grid is not None:
+            grid.update(replay.best_schedule(table, by_context=True))
     if args.engine == "vllm":
         base = _json_arg(args.base, "--base") if args.base else None
-        grid = pj.project_grid(traffic, full, contexts) if args.context_grid else None
         out = ex.vllm_export(schedule, grid, contexts, base)
     elif args.engine == "trtllm":
         out = ex.trtllm_export(schedule, args.max_batch_size)
@@ -167,14 +175,35 @@ def _export(args: argparse.Namespace) -> int:
         print("flags: " + " ".join(_quote(a) for a in out.args), file=err)
     for note in (*traffic.notes, *out.notes):
         print(f"note: {note}", file=err)
-    full_g = pj.predicted(traffic, full, out.batches)
-    proj_g = pj.predicted(traffic, out.k_of, out.batches)
-    unit = "tok/s" if traffic.has_seconds else "x plain decoding"
+    if replay is not None:
+        types = replay.load.types
+        full_g = replay.score_table(table).tok_s
+        proj_g = replay.score(lambda spec, bb: tuple(min(out.k_of(rt, bb, spec.context), replay.cal.K)
+                                                     for rt in types)).tok_s
+        unit, how = "tok/s", f"replay of {replay.windows} stored windows (packed rounds, cost model fitted on them)"
+    else:
+        full_g = pj.predicted(traffic, full, out.batches)
+        proj_g = pj.predicted(traffic, out.k_of, out.batches)
+        unit = "tok/s" if traffic.has_seconds else "x plain decoding"
+        how = f"analytic per-row model, traffic-weighted, for {'|'.join(traffic.versions)}"
     loss = 100 * (1 - proj_g / full_g) if full_g > 0 else 0.0
-    print(f"predicted goodput (analytic model, traffic-weighted, table v{table.version} for "
-          f"{'|'.join(traffic.versions)}): full table {full_g:.3f} {unit}, exported {proj_g:.3f} {unit} "
-          f"({loss:.1f}% lost to the projection)", file=err)
+    print(f"predicted goodput ({how}; table v{table.version}): full table {full_g:.3f} {unit}, exported "
+          f"{proj_g:.3f} {unit} ({loss:.1f}% lost to the projection)", file=err)
     return 0
+
+
+def _replay(stored: tuple[list[Any], list[Any]], table: Any) -> Any:
+    """The stored windows as a replay (None without cost windows, or when they cannot be replayed)."""
+    from controller.offline.replay import ReplayError, Slice, build_replay
+
+    if not stored[1]:
+        return None
+    try:
+        return build_replay(Slice(tuple(stored[0]), tuple(stored[1])), table.k_max, None, REPLAY_WINDOW_S)
+    except ReplayError as e:
+        print(f"note: the stored windows cannot be replayed ({e}); projecting with the per-row model",
+              file=sys.stderr)
+        return None
 
 
 def _json_arg(text: str, what: str) -> dict[str, Any]:

@@ -380,6 +380,36 @@ class Replay:
                 wts.append(rounds * spec.batch_size * w * p)
         return Score(float(np.mean(good)), weighted_quantile(np.concatenate(lat), np.concatenate(wts), P99))
 
+    def best_schedule(self, table: PolicyTable, by_context: bool = False) -> dict[Any, int]:
+        """Project ``table`` onto one k per batch bucket (``by_context``: per (batch bucket, context bucket)) for
+        every request type: among the ks the table uses there, the one with the highest replayed tokens/s over the
+        replayed windows of that bucket. The replay's cost is the packed round's (verification grows with the
+        tokens verified at large batch), which a per-row speedup model misses: it projects onto the deepest k.
+
+        Windows last the same wall time, so the bucket whose windows' summed goodput is highest maximises the
+        whole replay's tokens/s, bucket by bucket. Returns only buckets the replay has windows for."""
+        full = self.table_ks(table)
+        groups: dict[Any, list[int]] = defaultdict(list)
+        for i, (spec, bb) in enumerate(zip(self.load.specs, self.load.buckets, strict=True)):
+            groups[(bb, spec.context) if by_context else bb].append(i)
+        n_types = len(self.load.types)
+        out: dict[Any, int] = {}
+        for key, idx in groups.items():
+            cands = sorted({k for i in idx for k in full(self.load.specs[i], self.load.buckets[i])})
+
+            def total(k: int, idx: list[int] = idx) -> float:
+                return sum(self._goodput(self.load.specs[i], (k,) * n_types) for i in idx)
+
+            out[key] = max(cands, key=lambda k: (total(k), -k))
+        return out
+
+    def _goodput(self, spec: WindowSpec, ks: tuple[int, ...]) -> float:
+        key = (spec, ks)
+        if key not in self._rounds:
+            self._rounds[key] = expected_round(self.cal, spec, ks)
+        tok, secs = self._rounds[key]
+        return tok / secs
+
     def simulate(self, policy: Policy, seed: int, noise: float = 0.03) -> Score:
         """Round-level replay (seeded noise, sampled acceptance); the policy decides and learns as it goes."""
         res = simulate(policy, self.cal, self.load.specs, window_s=self.window_s, seed=seed, noise=noise)

@@ -186,3 +186,28 @@ def test_empty_store_and_a_changed_study_are_refused(sqlite_url: str, tmp_path: 
         tune(TuneConfig(**{**cfg.__dict__, "k_max": 4}))
     with pytest.raises(ReplayError, match="cannot be split"), Store(sqlite_url) as store:
         split_by_time(store.acceptance_windows(), store.cost_windows()[:1], 0.3)
+
+
+def test_best_schedule_is_the_replay_best_of_the_tables_ks_per_batch_bucket(sqlite_url: str) -> None:
+    # The batch-size-only projection (vLLM / TensorRT-LLM schedules) is scored by the replay's packed-round cost,
+    # bucket by bucket: changing any bucket's k to another k the table uses there never replays faster.
+    store_synthetic(sqlite_url)
+    with Store(sqlite_url) as store:
+        acc, cost = store.acceptance_windows(), store.cost_windows()
+    rep = build_replay(split_by_time(acc, cost, 0.0)[0], 8, None, 0.5)
+    ks = {"code": 1, "prose": 2, "structured": 4}
+    cells = {(bb, spec.context) for spec, bb in zip(rep.load.specs, rep.load.buckets, strict=True)}
+    table = PolicyTable(version=2, default_k=2, k_max=8,
+                        entries={f"*|*|{rt}|{bb}|{ctx}": k for rt, k in ks.items() for bb, ctx in cells})
+    schedule = rep.best_schedule(table)
+    assert set(schedule) == set(rep.load.buckets) and set(schedule.values()) <= set(ks.values())
+
+    def score(sched: dict[int, int]) -> float:
+        return rep.score(lambda spec, bb: (sched[bb],) * len(rep.load.types)).tok_s
+
+    best = score(schedule)
+    for bb in schedule:
+        for k in set(ks.values()) - {schedule[bb]}:
+            assert score({**schedule, bb: k}) <= best + 1e-9
+    by_ctx = rep.best_schedule(table, by_context=True)
+    assert {bb for bb, _ in by_ctx} == set(schedule)
