@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
@@ -19,6 +18,7 @@ import pytest
 import redis
 from synthetic_feed import feed
 
+from bench.faults import OwnRedis
 from controller.service.publish import RedisPublisher
 from controller.service.sidecar import Sidecar, SidecarConfig
 from policies import REGISTRY
@@ -40,44 +40,12 @@ def make(transport: Transport, store: Store, publisher: RedisPublisher, **cfg: o
 
 
 # ------------------------------------------------------------------------------------- own redis-server
-@dataclass
-class OwnRedis:
-    port: int
-    dir: Path
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if redis.Redis(port=self.port, socket_connect_timeout=0.2).ping():
-                    return
-            except redis.RedisError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server on port {self.port} did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()  # only the process this fixture started, by its PID
-            self.proc.wait(10)
-            self.proc = None
-
-
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
+    """A redis-server of this test's own (the fault suite's), killed and restarted by PID on the same port."""
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed; the restart test starts its own")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = OwnRedis(port, tmp_path)
+    srv = OwnRedis(tmp_path)
     srv.start()
     yield srv
     srv.kill()
