@@ -541,6 +541,13 @@ ENGINE_PLANS = {
 }
 
 
+def _engine_scenario(alert: dict[str, Any] | None, what: str | None) -> dict[str, Any]:
+    """One engine scenario's record: whether its alert came, after how many rounds of the stretch, and a line."""
+    delay = None if alert is None else alert["rounds_after_phase_start"]
+    return {"detected": alert is not None, "detection_delay_rounds": delay, "alert": alert,
+            "summary": "missed" if alert is None else f"{what} after {delay} rounds"}
+
+
 def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = None) -> dict[str, Any]:
     """The reference engine (xl) with k fixed, its rounds aggregated per window as the emitter does and fed to the
     sidecar's default :class:`AlertManager`: which alerts fire after the silent drift and after the model update,
@@ -638,18 +645,9 @@ def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = Non
         "rounds": st["round"], "phase_start_round": phase_start, "acceptance_by_phase": acceptance,
         "alerts": found, "detector_stats": dict(mgr.stats),
         "scenarios": {
-            "silent_schema_drift": {
-                "detected": drift is not None,
-                "detection_delay_rounds": None if drift is None else drift["rounds_after_phase_start"],
-                "alert": drift,
-                "summary": "missed" if drift is None else
-                f"acceptance_drift {drift['bucket']} k={drift['k']} after {drift['rounds_after_phase_start']} rounds"},
-            "model_update": {
-                "detected": upd is not None,
-                "detection_delay_rounds": None if upd is None else upd["rounds_after_phase_start"],
-                "alert": upd,
-                "summary": "missed" if upd is None else
-                f"model_update {upd['bucket']} after {upd['rounds_after_phase_start']} rounds"},
+            "silent_schema_drift": _engine_scenario(
+                drift, None if drift is None else f"acceptance_drift {drift['bucket']} k={drift['k']}"),
+            "model_update": _engine_scenario(upd, None if upd is None else f"model_update {upd['bucket']}"),
         },
         "timing_dependent": ["seconds"],
         "note": "rounds and rows do not depend on the machine's speed (stretches end on rows); a delay in rounds "

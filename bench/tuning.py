@@ -348,10 +348,8 @@ def tune_and_export(db_url: str, preset: Preset, seed: int, work: Path, say: Cal
     # batch buckets the tune windows never saw keep the per-row model's projection
     schedule = {**pj.project_batches(traffic, full), **replay.best_schedule(tuned)}
     exports = {"vllm": ex.vllm_export(schedule), "trtllm": ex.trtllm_export(schedule)}
-    cells = sorted({(rt, bb, ctx) for spec, bb in zip(replay.load.specs, replay.load.buckets, strict=True)
-                    for rt in replay.load.types for ctx in (spec.context,)}
-                   | {(rt, bb, ctx) for spec, bb in zip(held.load.specs, held.load.buckets, strict=True)
-                      for rt in held.load.types for ctx in (spec.context,)})
+    cells = sorted({(rt, bb, spec.context) for rep in (replay, held)
+                    for spec, bb in zip(rep.load.specs, rep.load.buckets, strict=True) for rt in rep.load.types})
     tables: dict[str, Any] = {"default": policy_table_from_json(seed_path.read_bytes()), "tuned": tuned}
     for name, out in exports.items():
         tables[f"exported_{name}"] = _schedule_table(out.k_of, cells)

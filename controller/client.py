@@ -173,34 +173,42 @@ class PolicyClient:
         Returns:
             True when installed (or already in force); False when rejected (counted, the last good one stays).
         """
+        return self._install(table, allow_older) is None
+
+    def apply_json(self, text: str | bytes, *, allow_older: bool = False) -> bool:
+        """Parse, validate and install a table as it travels (JSON with its version)."""
+        return self._install_json(text, allow_older) is None
+
+    def _install(self, table: PolicyTable, allow_older: bool) -> str | None:
+        """:meth:`apply`; returns the reason it was rejected, None when installed (or already in force)."""
         with self._lock:
             try:
                 current = self._table.version if self._table and not allow_older else None
                 validate_table(table, self._cfg.k_max, current)
             except RecordError as e:
                 self._reject(e.reason, str(e))
-                return False
+                return e.reason
             if self._table is not None and table.version == self._table.version:
-                return True
+                return None
             self._table = table
             self._lookup = self._new_lookup(table, *self._lookup.versions)
             self._applied += 1
             self._last_update = time.time()
-            return True
+            return None
 
-    def apply_json(self, text: str | bytes, *, allow_older: bool = False) -> bool:
-        """Parse, validate and install a table as it travels (JSON with its version)."""
+    def _install_json(self, text: str | bytes, allow_older: bool) -> str | None:
+        """:meth:`apply_json`; returns the reason it was rejected, None when installed."""
         try:
             table = policy_table_from_json(text)
         except RecordError as e:
             with self._lock:
                 self._reject(e.reason, str(e))
-            return False
+            return e.reason
         except Exception as e:  # a parser gap must not kill the refresh thread: reject, count, keep the last table
             with self._lock:
                 self._reject("malformed", f"policy table rejected: {type(e).__name__}: {e}")
-            return False
-        return self.apply(table, allow_older=allow_older)
+            return "malformed"
+        return self._install(table, allow_older)
 
     def _reject(self, reason: str, detail: str) -> None:
         self._rejected[reason] = self._rejected.get(reason, 0) + 1
@@ -239,9 +247,7 @@ class PolicyClient:
         self._connected = True
         if raw is not None and raw != self._last_raw:  # the same bytes again: already applied or rejected once
             self._last_raw = raw  # type: ignore[assignment]
-            stale_before = self._rejected.get("stale_version", 0)
-            ok = self.apply_json(raw)  # type: ignore[arg-type]
-            older = not ok and self._rejected.get("stale_version", 0) > stale_before
+            older = self._install_json(raw, allow_older=False) == "stale_version"  # type: ignore[arg-type]
             if not older:
                 self._older_since = None
             elif self._older_since is None:  # the sidecar's newer tables stay older than ours: one stretch

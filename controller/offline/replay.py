@@ -365,10 +365,7 @@ class Replay:
         lat: list[np.ndarray] = []
         wts: list[np.ndarray] = []
         for spec, ks in zip(self.load.specs, chosen, strict=True):
-            key = (spec, ks)
-            if key not in self._rounds:
-                self._rounds[key] = expected_round(self.cal, spec, ks)
-            tok, secs = self._rounds[key]
+            tok, secs = self._round(spec, ks)
             good.append(tok / secs)
             rounds = self.window_s / secs
             for ti, rt in enumerate(self.load.types):
@@ -398,17 +395,18 @@ class Replay:
             cands = sorted({k for i in idx for k in full(self.load.specs[i], self.load.buckets[i])})
 
             def total(k: int, idx: list[int] = idx) -> float:
-                return sum(self._goodput(self.load.specs[i], (k,) * n_types) for i in idx)
+                return sum(tok / secs for tok, secs in (self._round(self.load.specs[i], (k,) * n_types)
+                                                         for i in idx))
 
             out[key] = max(cands, key=lambda k: (total(k), -k))
         return out
 
-    def _goodput(self, spec: WindowSpec, ks: tuple[int, ...]) -> float:
+    def _round(self, spec: WindowSpec, ks: tuple[int, ...]) -> tuple[float, float]:
+        """Expected (tokens, seconds) of one round of ``spec`` at ``ks`` (cached: optuna revisits them)."""
         key = (spec, ks)
         if key not in self._rounds:
             self._rounds[key] = expected_round(self.cal, spec, ks)
-        tok, secs = self._rounds[key]
-        return tok / secs
+        return self._rounds[key]
 
     def simulate(self, policy: Policy, seed: int, noise: float = 0.03) -> Score:
         """Round-level replay (seeded noise, sampled acceptance); the policy decides and learns as it goes."""
