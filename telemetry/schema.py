@@ -12,9 +12,10 @@ indexes its readers need:
 - the key a window is aggregated by (model pair, request type or batch bucket, context bucket, k) lives once in
   ``acceptance_buckets`` / ``cost_buckets``; a window row holds its ``bucket_id``. The sender and the window's
   end are the batch's, read through ``batch_id`` from ``ingested_batches``.
-- the primary key (``id`` increases with ingestion; readers resume with ``id > since_id`` and the sidecar asks
-  for ``max(id)``) and one integer index ``(bucket_id, id)`` for "latest windows of this bucket"; a model
-  pair's buckets are a lookup in the small bucket table.
+- the primary key is their only index (``id`` increases with ingestion; readers resume with ``id > since_id``
+  and the sidecar asks for ``max(id)``); a model pair's or a request type's buckets are a join to the small
+  bucket tables. Every further index is one more B-tree insert per ingested row, for a reader to pay for: none
+  asks for one bucket's windows alone (revision 0004 dropped ``(bucket_id, id)``, half the server's COPY time).
 - ``batch_id`` and ``bucket_id`` are plain columns, not foreign keys: the store writes them in the same
   transaction that registers the batch and the buckets, so a per-row referential check would only re-prove that,
   at two trigger queries per row. Deleting a batch therefore does not cascade to its windows; prune windows by
@@ -136,8 +137,6 @@ class AcceptanceWindowRow(Base):
     """One acceptance window aggregate (see :class:`~telemetry.records.AcceptanceWindow`); hot, see the module doc."""
 
     __tablename__ = "acceptance_windows"
-    # "latest windows of this bucket": an index range scan backwards on id, over integers only.
-    __table_args__ = (Index("ix_acceptance_windows_bucket", "bucket_id", "id"),)
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
                                     autoincrement=True)
     batch_id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"))  # ingested_batches.id
@@ -153,7 +152,6 @@ class CostWindowRow(Base):
     """One cost window aggregate (see :class:`~telemetry.records.CostWindow`); hot, see the module doc."""
 
     __tablename__ = "cost_windows"
-    __table_args__ = (Index("ix_cost_windows_bucket", "bucket_id", "id"),)
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
                                     autoincrement=True)
     batch_id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"))  # ingested_batches.id

@@ -86,4 +86,4 @@ def test_db_current_and_check_name_the_revision_and_the_fix(capsys: pytest.Captu
     assert main(["db", "check", "--db-url", sqlite_url]) == 0
     assert main(["db", "current", "--db-url", sqlite_url]) == 0
     out = capsys.readouterr().out
-    assert out.count("0003_alerts_and_model_versions") >= 2
+    assert out.count("0004_drop_window_bucket_indexes") >= 2
