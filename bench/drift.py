@@ -30,7 +30,8 @@ sidecar's code: its buckets, cool-down, young-bucket and small-shift rules) exac
   the comparison. Run with the sidecar's default detector only (the one the sidecar uses).
 
 **Engine** (``engine``, ``--engine/--no-engine``): the reference engine, xl profile, on this machine's CPU
-(CUDA if present), k fixed at 3 for every row (so each bucket's acceptance is one stream), windows aggregated
+(CUDA if present), every row at k=3 until the schema switch and at k=5 from it on (a learning policy may move k
+just as acceptance moves, which hides the drift from every per-k monitor), windows aggregated
 every 0.25 s of wall time and fed to the default AlertManager: (1) the model update target-v1 -> target-v2
 mid-run; (2) a silent drift — structured prompts switch to the second JSON schema (``schema_version=2``) with
 no version change. Reported: which alerts fired, for which bucket, and the delay in rounds from the change.
@@ -51,7 +52,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -69,7 +70,7 @@ from bench.simulator import (
     to_jsonable,
 )
 from controller.service.alerts import AlertConfig, AlertManager, DetectorSpec
-from controller.service.alerts.manager import ACCEPTANCE_MONITOR, COST_MONITOR
+from controller.service.alerts.manager import ACCEPTANCE_MONITOR, COST_MONITOR, FIRST_DRAFT_MONITOR
 from policies import GoodputPolicy
 from policies.base import Decision, Policy, Window
 from telemetry.alerts import ACCEPTANCE_DRIFT, COST_DRIFT, MODEL_UPDATE, Alert
@@ -85,16 +86,27 @@ COST_FACTOR = 1.3  # the slower machine
 GOOD_FRACTION = 0.9  # goodput counts as recovered at this fraction of the new oracle
 RECOVERY_MEAN_WINDOWS = 3  # windows averaged for the recovery test (as bench.policies' rounds_to_90)
 
-# Detectors compared: name -> (acceptance detector, cost detector). HDDM is bounded (samples in [0, 1]) so it
-# cannot watch log cost; its candidates keep the default cost detector and are judged on acceptance only.
-CANDIDATES: dict[str, tuple[DetectorSpec, DetectorSpec]] = {
-    "adwin": (ACCEPTANCE_MONITOR.detector, COST_MONITOR.detector),
-    "adwin_1e-4": (DetectorSpec("adwin", {"delta": 1e-4, "clock": 16}), DetectorSpec("adwin", {"delta": 1e-4,
-                                                                                                "clock": 1})),
-    "page_hinkley": (DetectorSpec("page_hinkley", {"delta": 0.005, "threshold": 50.0, "mode": "down"}),
-                     DetectorSpec("page_hinkley", {"delta": 0.005, "threshold": 5.0, "mode": "up"})),
-    "hddm_a": (DetectorSpec("hddm_a", {"drift_confidence": 1e-4}), COST_MONITOR.detector),
-    "hddm_w": (DetectorSpec("hddm_w", {"drift_confidence": 1e-4, "lambda_val": 0.05}), COST_MONITOR.detector),
+class Candidate(NamedTuple):
+    """One detector setting compared: for the per-k acceptance monitor, the monitor across k, and cost."""
+
+    acceptance: DetectorSpec
+    first_draft: DetectorSpec
+    cost: DetectorSpec
+
+
+# Detectors compared. HDDM is bounded (samples in [0, 1]) so it cannot watch log cost; its candidates keep the
+# default cost detector and are judged on acceptance only. Every candidate but the default watches acceptance
+# with one detector setting both per k and across k.
+_ADWIN_1E4 = DetectorSpec("adwin", {"delta": 1e-4, "clock": 16})
+_PH = DetectorSpec("page_hinkley", {"delta": 0.005, "threshold": 50.0, "mode": "down"})
+_HDDM_A = DetectorSpec("hddm_a", {"drift_confidence": 1e-4})
+_HDDM_W = DetectorSpec("hddm_w", {"drift_confidence": 1e-4, "lambda_val": 0.05})
+CANDIDATES: dict[str, Candidate] = {
+    "adwin": Candidate(ACCEPTANCE_MONITOR.detector, FIRST_DRAFT_MONITOR.detector, COST_MONITOR.detector),
+    "adwin_1e-4": Candidate(_ADWIN_1E4, _ADWIN_1E4, DetectorSpec("adwin", {"delta": 1e-4, "clock": 1})),
+    "page_hinkley": Candidate(_PH, _PH, DetectorSpec("page_hinkley", {"delta": 0.005, "threshold": 5.0, "mode": "up"})),
+    "hddm_a": Candidate(_HDDM_A, _HDDM_A, COST_MONITOR.detector),
+    "hddm_w": Candidate(_HDDM_W, _HDDM_W, COST_MONITOR.detector),
 }
 DEFAULT = "adwin"  # the sidecar's default: the AlertConfig() monitors
 # The issue's targets (evaluate() says which are met).
@@ -265,9 +277,10 @@ def windows(policy: Policy, cals: Sequence[tuple[int, Calibration]], spec: Windo
 
 def manager_for(candidate: str, seed: int) -> AlertManager:
     """An in-memory AlertManager as the sidecar builds it, with ``candidate``'s detectors."""
-    acc, cost = CANDIDATES[candidate]
-    return AlertManager(AlertConfig(acceptance=replace(ACCEPTANCE_MONITOR, detector=acc),
-                                    cost=replace(COST_MONITOR, detector=cost), seed=seed))
+    c = CANDIDATES[candidate]
+    return AlertManager(AlertConfig(acceptance=replace(ACCEPTANCE_MONITOR, detector=c.acceptance),
+                                    first_draft=replace(FIRST_DRAFT_MONITOR, detector=c.first_draft),
+                                    cost=replace(COST_MONITOR, detector=c.cost), seed=seed))
 
 
 def _hits(alerts: Sequence[Alert], kind: str, rtype: str | None) -> bool:
@@ -451,8 +464,8 @@ def run_simulator_section(cal: Calibration, plan: SimPlan, candidates: Sequence[
                  "version": BASE_VERSION, "draft": DRAFT_VERSION, "oracle_ks": ks, "acceptance_rate_at_k": rates,
                  "oracle_tok_s": oracle_g, "window_s": WINDOW_S},
         "plan": plan.__dict__, "calibration_device": cal.device, "calibration_gaps": list(cal.gaps),
-        "candidates": {c: {"acceptance": a.label(), "cost": b.label()} for c, (a, b) in CANDIDATES.items()
-                       if c in candidates},
+        "candidates": {name: {"acceptance": c.acceptance.label(), "first_draft": c.first_draft.label(),
+                               "cost": c.cost.label()} for name, c in CANDIDATES.items() if name in candidates},
     }
     allowed = TARGETS["false_alarms_per_million_rounds"] * plan.stationary_rounds / 1e6
     per = plan.stationary_rounds // plan.stationary_seeds
@@ -531,7 +544,10 @@ class EnginePlan:
     load: int  # requests in flight (the batch)
     mix: tuple[float, float, float] = (0.1, 0.1, 0.8)  # code, prose, structured: structured-heavy, so its bucket
     # fills quickly on a CPU (about 19 structured rows a round at load 24)
-    k: int = 3  # every row's k: one acceptance bucket per (type, context), so one stream per bucket
+    k: int = 3  # every row's k before the schema switch
+    k_after_drift: int = 5  # and from the switch on, as a learning policy may move k just then (the demo's did):
+    # the k=3 monitors get no rows after the change and the k=5 ones none before it, so only the monitor across
+    # k (first-draft acceptance) can see the drift
     window_s: float = 0.25  # the emitter's window (as the demo's)
 
 
@@ -583,7 +599,8 @@ def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = Non
         st["seq"] += 1
         pending.clear()
         for a in mgr.observe_batch(batch):
-            found.append({"kind": a.kind, "bucket": a.bucket, "k": a.k, "detector": a.detector,
+            found.append({"kind": a.kind, "bucket": a.bucket, "k": a.k, "statistic": a.statistic,
+                          "detector": a.detector,
                           "at_round": st["round"], "phase": phase_name[0],
                           "rounds_after_phase_start": st["round"] - phase_start[phase_name[0]],
                           "before": a.before, "after": a.after, "before_count": a.before_count,
@@ -591,7 +608,7 @@ def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = Non
             if a.kind in (ACCEPTANCE_DRIFT, MODEL_UPDATE) and st["alert_round"] < 0:
                 st["alert_round"] = st["round"]
 
-    def run(phase: Phase, done: Callable[[], bool], on_update: Callable[[], None] | None = None) -> None:
+    def run(phase: Phase, k: int, done: Callable[[], bool], on_update: Callable[[], None] | None = None) -> None:
         phase_name[0] = phase.name
         phase_start[phase.name] = st["round"]
         st["alert_round"] = -1
@@ -610,7 +627,7 @@ def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = Non
                 flush()
                 clock["window_end"] = clock["t"] + plan.window_s
 
-        drive(engine, lambda *_: plan.k, [phase], stream, on_round, on_update, done)
+        drive(engine, lambda *_: k, [phase], stream, on_round, on_update, done)
 
     def structured_rows(name: str) -> int:
         return rows.get((name, "structured"), [0, 0, 0])[2]
@@ -625,9 +642,9 @@ def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = Non
     phases = (Phase("schema 1", plan.cap_s, plan.load, plan.mix),
               Phase("silent drift: schema 2", plan.cap_s, plan.load, plan.mix, structured_schema=2),
               Phase("model update", plan.cap_s, plan.load, plan.mix, update=True, structured_schema=2))
-    run(phases[0], lambda: structured_rows(phases[0].name) >= plan.rows_before)
-    run(phases[1], lambda: after_alert() or structured_rows(phases[1].name) >= plan.rows_drift_max)
-    run(phases[2], after_alert, update)
+    run(phases[0], plan.k, lambda: structured_rows(phases[0].name) >= plan.rows_before)
+    run(phases[1], plan.k_after_drift, lambda: after_alert() or structured_rows(phases[1].name) >= plan.rows_drift_max)
+    run(phases[2], plan.k_after_drift, after_alert, update)
     if pending:
         flush()
     mgr.close()
@@ -646,7 +663,8 @@ def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = Non
         "alerts": found, "detector_stats": dict(mgr.stats),
         "scenarios": {
             "silent_schema_drift": _engine_scenario(
-                drift, None if drift is None else f"acceptance_drift {drift['bucket']} k={drift['k']}"),
+                drift, None if drift is None else f"acceptance_drift {drift['bucket']} "
+                f"{'any k' if drift['k'] is None else 'k=' + str(drift['k'])} ({drift['statistic']})"),
             "model_update": _engine_scenario(upd, None if upd is None else f"model_update {upd['bucket']}"),
         },
         "timing_dependent": ["seconds"],

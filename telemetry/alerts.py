@@ -8,12 +8,14 @@ Conventions (defined here, once):
 
 - ``kind`` is one of :data:`ALERT_KINDS`.
 - ``bucket`` is a :meth:`telemetry.records.Bucket.key`-shaped label with ``*`` where a part does not apply:
-  acceptance drift ``target|draft|type|*|context`` (the window's k in ``k``), cost drift
+  acceptance drift ``target|draft|type|*|context`` (the window's k in ``k``, or None when the statistic pools
+  every k), cost drift
   ``target|draft|*|batch bucket|context`` (the largest k in ``k``), model update ``target|draft|*|*|*`` of the
   new pair, the buckets it affects listed in ``affected``.
 - ``before`` / ``after`` are the statistic's means on either side of the estimated change point, over
-  ``before_count`` / ``after_count`` samples of ``count_unit`` (acceptance: ``rows``, each row's accepted / k;
-  cost: ``windows``, each window's seconds per verified token). A model update carries no statistic.
+  ``before_count`` / ``after_count`` samples of ``count_unit`` (acceptance: ``rows``, each row's accepted / k,
+  or whether its first draft was accepted; cost: ``windows``, each window's seconds per verified token). A model
+  update carries no statistic.
 - Times are wall-clock seconds (``time.time()``): ``change_at`` estimates when the change happened (the window
   in which it began), ``detected_at`` when the detector fired (the window that tipped it).
 """
@@ -29,6 +31,7 @@ ACCEPTANCE_DRIFT = "acceptance_drift"
 COST_DRIFT = "cost_drift"
 ALERT_KINDS = (MODEL_UPDATE, ACCEPTANCE_DRIFT, COST_DRIFT)
 ACCEPTANCE_STATISTIC = "acceptance_rate"  # accepted / k per row (a row's share of its drafts the target kept)
+FIRST_DRAFT_STATISTIC = "first_draft_acceptance"  # 1 if a row's first draft was kept, else 0; the same at any k
 COST_STATISTIC = "seconds_per_verified_token"  # (draft + verify seconds) / tokens verified, per window
 
 
@@ -42,7 +45,7 @@ class Alert:
     draft_version: str
     detected_at: float
     message: str  # one human sentence: what moved, where, by how much
-    k: int | None = None  # acceptance: the bucket's k; cost: its largest k
+    k: int | None = None  # acceptance: the bucket's k (None: every k); cost: its largest k
     previous_target_version: str | None = None  # model update: the pair seen last before the new one
     previous_draft_version: str | None = None
     affected: tuple[str, ...] = ()  # model update: bucket labels of the new pair seen in its first batch

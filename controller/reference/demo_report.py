@@ -103,7 +103,8 @@ def alert_marks(sidecar: Sidecar, started_at: float) -> list[tuple[float, str, s
             label = f"model_update -> {a.target_version}"
         else:
             parts = a.bucket.split("|")
-            label = f"{a.kind}: {parts[2] if a.kind == 'acceptance_drift' else 'batch<=' + parts[3]} k={a.k}"
+            where = parts[2] if a.kind == "acceptance_drift" else "batch<=" + parts[3]
+            label = f"{a.kind}: {where} {'any k' if a.k is None else f'k={a.k}'}"
         out.append((a.detected_at - started_at, a.kind, label))
     return out
 

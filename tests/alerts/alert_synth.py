@@ -40,3 +40,14 @@ def cost_window(round_s: np.ndarray, *, tokens_per_round: int = 40, target: str 
 def acceptance_rate(alpha: float, k: int) -> float:
     """E[accepted / k] under the i.i.d. model: (alpha + alpha^2 + ... + alpha^k) / k."""
     return sum(alpha ** i for i in range(1, k + 1)) / k
+
+
+def positional_hists(rng: np.random.Generator, n: int, rows: int, k: int, cond: np.ndarray) -> np.ndarray:
+    """``[n, k + 1]`` histograms when the draft at position i is kept with probability ``cond[i]`` (given that
+    every earlier one was): acceptance that is not i.i.d. over positions, as measured on real pairs, where a
+    pooled per-position rate moves with k even though nothing changed."""
+    kept = rng.random((n, rows, k)) < cond[:k]  # [n, rows, k]
+    acc = np.cumprod(kept, axis=2).sum(axis=2)  # [n, rows] drafts kept before the first rejection
+    counts = np.zeros((n, k + 1), dtype=np.int64)
+    np.add.at(counts, (np.repeat(np.arange(n), rows), acc.ravel()), 1)
+    return counts

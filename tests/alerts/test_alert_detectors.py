@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from alert_synth import acceptance_hists, acceptance_rate, acceptance_window, cost_window
+from alert_synth import acceptance_hists, acceptance_rate, acceptance_window, cost_window, positional_hists
 
 from controller.service.alerts import AlertConfig, AlertManager, DetectorSpec, MonitorConfig, estimate_change_point
-from telemetry.alerts import ACCEPTANCE_DRIFT, COST_DRIFT, Alert
+from telemetry.alerts import ACCEPTANCE_DRIFT, COST_DRIFT, FIRST_DRAFT_STATISTIC, Alert
 
 K = 4
 ALPHA = 0.8
@@ -133,3 +133,63 @@ def test_bad_windows_are_counted_not_raised() -> None:
     assert m.observe_acceptance(good, 0.0) is None
     assert m.observe_acceptance(bad, 1.0) is None
     assert m.stats["skipped_bad_hist"] == 1
+
+
+# Conditional acceptance by position of target-v1 / draft-v1 on code (bench/results/engine.json, xl): the first
+# position is kept least often, so accepted / k and the pooled per-position rate both rise with k.
+CODE_COND = np.array([0.64, 0.74, 0.70, 0.71, 0.69, 0.69, 0.75, 0.79])
+
+
+def test_the_monitor_across_k_is_quiet_while_a_policy_moves_k() -> None:
+    """k switches among 1, 2, 4 and 8 every 25 windows with nothing else changing: no acceptance alert. (Each
+    per-k monitor sees a steady level of its own k; the first-draft rate is the same at every k.)"""
+    m = AlertManager()
+    rng = np.random.default_rng(21)
+    ks = (1, 2, 4, 8)
+    for i in range(20_000):
+        k = ks[(i // 25) % len(ks)]
+        hist = positional_hists(rng, 1, ROWS_PER_WINDOW, k, CODE_COND)[0]
+        assert m.observe_acceptance(acceptance_window(hist, k), float(i)) is None
+    assert _detections(m) == 0, dict(m.stats)
+
+
+def _drift_with_a_new_k(m: AlertManager) -> Alert | None:
+    """The demo's silent drift: structured rows at k=7 keep their first draft 95% of the time; then the schema
+    changes (first draft kept 78%) just as the policy moves to k=8."""
+    rng = np.random.default_rng(4)
+    cond_before, cond_after = np.full(8, 0.95), np.array([0.78, 0.75, 0.8, 0.85, 0.9, 0.9, 0.9, 0.9])
+    for i in range(300):
+        hist = positional_hists(rng, 1, 20, 7, cond_before)[0]
+        assert m.observe_acceptance(acceptance_window(hist, 7), float(i)) is None
+    for i in range(300, 400):
+        hist = positional_hists(rng, 1, 20, 8, cond_after)[0]
+        if (alert := m.observe_acceptance(acceptance_window(hist, 8), float(i))) is not None:
+            return alert
+    return None
+
+
+def test_a_drift_that_coincides_with_a_change_of_k_is_caught_across_k() -> None:
+    alert = _drift_with_a_new_k(AlertManager())
+    assert alert is not None and alert.kind == ACCEPTANCE_DRIFT and alert.direction == "down"
+    assert alert.statistic == FIRST_DRAFT_STATISTIC and alert.k is None
+    assert alert.bucket == "t1|d1|structured|*|<=512" and "across every k" in alert.message
+    assert alert.before == pytest.approx(0.95, abs=0.02) and alert.before_count >= 5000
+    assert alert.after is not None and alert.after == pytest.approx(0.78, abs=0.1)
+    assert alert.detected_at - 300 <= 20  # measured: 7 windows (141 rows) after the change
+    # Per k only, nothing is raised: k=8 has no level before the change, and k=7 no rows after it.
+    assert _drift_with_a_new_k(AlertManager(AlertConfig(first_draft=None))) is None
+
+
+def test_one_change_seen_at_two_ks_raises_one_alert() -> None:
+    """Both a per-k monitor and the monitor across k detect the same drop: one alert (the cool-down is per
+    acceptance bucket, whatever the k or statistic)."""
+    m = AlertManager()
+    rng = np.random.default_rng(8)
+    raised = []
+    for i in range(800):
+        alpha = ALPHA if i < 300 else ALPHA - 0.3
+        hist = acceptance_hists(rng, 1, 40, K, alpha)[0]
+        if (a := m.observe_acceptance(acceptance_window(hist, K), float(i))) is not None:
+            raised.append(a)
+    assert len(raised) == 1, raised
+    assert m.stats["detections_acceptance_drift"] >= 2 and m.stats["suppressed_cooldown"] >= 1, dict(m.stats)

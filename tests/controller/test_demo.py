@@ -85,8 +85,8 @@ def test_silent_drift_raises_an_acceptance_drift_naming_structured(
         tmp_path: Path, checkpoints: Path, prompt_cache: Path) -> None:
     # The demo's structured stretch and silent drift through the demo's sidecar (engine hooks -> transport ->
     # sidecar -> alerts), longer than --quick makes them (0.9 s each is too few rows to tell a drift from noise),
-    # with k fixed at 3 (a baseline run with alerts on): a learning policy moves structured's k as its acceptance
-    # falls, and each k is its own bucket, so how soon it fires there depends on the machine; here it must.
+    # with k fixed at 3 (a baseline run with alerts on), so how soon it fires does not depend on where a learning
+    # policy moves k; either monitor may raise it (k=3's, or the first-draft one across k).
     cfg = demo.DemoConfig(out_root=tmp_path, checkpoints=checkpoints, profile="small", device="cpu",
                           prompt_cache=prompt_cache, max_batch=8)
     steady, drift = (p for p in WORKLOADS["demo"] if p.name in ("structured", "silent drift"))
@@ -100,6 +100,6 @@ def test_silent_drift_raises_an_acceptance_drift_naming_structured(
         # Wall-clock phases: a machine busy with other work serves too few rows to judge (rows, not seconds, are
         # what the detector counts). Seen at 165 / 306 rows on a shared 2-core machine; 490 / 1200 when quiet.
         pytest.skip(f"too few structured rows to judge a drift: {rows[0]} before, {rows[1]} after")
-    assert any(a.direction == "down" and a.k == 3 for a in drifts), (
+    assert any(a.direction == "down" and a.k in (3, None) for a in drifts), (
         [a.message for a in sidecar.recent_alerts], dict(sidecar.alerts.stats) if sidecar.alerts else None)
     assert all(a.detected_at >= log.started_at + steady.seconds for a in drifts)

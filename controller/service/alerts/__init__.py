@@ -17,6 +17,7 @@ from controller.service.alerts.detectors import (
 from controller.service.alerts.manager import (
     ACCEPTANCE_MONITOR,
     COST_MONITOR,
+    FIRST_DRAFT_MONITOR,
     AlertConfig,
     AlertManager,
     MonitorConfig,
@@ -36,6 +37,7 @@ __all__ = [
     "ACCEPTANCE_MONITOR",
     "COST_MONITOR",
     "DETECTORS",
+    "FIRST_DRAFT_MONITOR",
     "AlertConfig",
     "AlertManager",
     "AlertSink",

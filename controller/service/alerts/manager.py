@@ -9,13 +9,20 @@ or piecewise: :meth:`AlertManager.observe_versions`, :meth:`AlertManager.observe
 
 Rules (stated once, here):
 
-- **Buckets.** Acceptance is watched per (versions, request type, context bucket, k); cost per (versions, batch
-  bucket, context bucket, largest k): the keys the store aggregates by. A new model pair gets new buckets, so
-  its detectors start fresh; the update itself is the registry's ``model_update``.
-- **Cool-down.** After an alert for a (kind, bucket, k), further detections there are counted
-  (``suppressed_cooldown``) but not raised for ``cooldown_s`` seconds of window time (default 10 minutes): a
-  flapping signal raises one alert, not hundreds. Detection goes on meanwhile, so the level "before" of the
-  next alert is the latest one, not the one an operator already saw.
+- **Buckets.** Acceptance is watched two ways in each (versions, request type, context bucket):
+  - per k (the key the store aggregates by), each row's accepted / k (:data:`ACCEPTANCE_STATISTIC`): the most
+    sensitive statistic while k holds still;
+  - across every k, each row's first draft accepted or not (:data:`FIRST_DRAFT_STATISTIC`). Whether the first
+    draft is accepted does not depend on how many drafts follow it, so this monitor keeps its level while a
+    learning policy moves k. Without it a drift that coincides with a change of k is invisible: the new k's
+    monitor starts with no level "before", and the old k's gets no rows "after".
+  Cost is watched per (versions, batch bucket, context bucket, largest k). A new model pair gets new buckets,
+  so its detectors start fresh; the update itself is the registry's ``model_update``.
+- **Cool-down.** After an alert for an acceptance bucket (any k, either statistic) or a (cost bucket, largest
+  k), further detections there are counted (``suppressed_cooldown``) but not raised for ``cooldown_s``
+  seconds of window time (default 10 minutes): one change, or a flapping signal, raises one alert, not one per
+  k or hundreds. Detection goes on meanwhile, so the level "before" of the next alert is the latest one, not
+  the one an operator already saw.
 - **Acked changes.** Before raising, the store is asked for an acked alert reporting the same change (same kind,
   bucket, k and direction, level after within ``same_change_rel_tol``; a model update: the same pairs); if there
   is one the detection is counted (``suppressed_acked``) and not raised again, across restarts too.
@@ -42,17 +49,27 @@ from telemetry.alerts import (
     ACCEPTANCE_STATISTIC,
     COST_DRIFT,
     COST_STATISTIC,
+    FIRST_DRAFT_STATISTIC,
     Alert,
 )
 from telemetry.alerts_store import AlertStore
 from telemetry.errors import StoreError
 from telemetry.records import AcceptanceWindow, CostWindow, WindowBatch
 
-__all__ = ["ACCEPTANCE_MONITOR", "COST_MONITOR", "AlertConfig", "AlertManager", "MonitorConfig"]
+__all__ = ["ACCEPTANCE_MONITOR", "COST_MONITOR", "FIRST_DRAFT_MONITOR", "AlertConfig", "AlertManager", "MonitorConfig"]
 
 log = logging.getLogger(__name__)
 
 MonitorKey = tuple[str, str, str, str, int]  # target, draft, request type or batch bucket, context bucket, k
+ANY_K = -1  # the k part of a first-draft monitor's key: it pools every k
+
+
+# statistic -> (what it is, where it was watched ({k}: the alert's k), the unit of its sample counts)
+STATISTIC_WORDS: dict[str, tuple[str, str, str]] = {
+    ACCEPTANCE_STATISTIC: ("acceptance rate", "at k={k}", "rows"),
+    FIRST_DRAFT_STATISTIC: ("first-draft acceptance", "across every k", "rows"),
+    COST_STATISTIC: ("seconds per verified token", "at largest k={k}", "windows"),
+}
 
 
 @dataclass(frozen=True)
@@ -76,6 +93,14 @@ ACCEPTANCE_MONITOR = MonitorConfig(
     detector=DetectorSpec("adwin", {"delta": 1e-3, "clock": 16}), history=4096, min_before=500,
     min_relative_shift=0.05,
 )
+# One sample per row (1: its first draft accepted, else 0), pooled over k. delta 1e-4, ten times stricter than
+# the per-k monitor's: its samples are as many (one per row), and the per-k monitors already catch drifts while
+# k holds still, so this one is tuned to add almost no false alarms; a drift that moves k is large (the demo's
+# schema switch: 0.95 -> 0.78) and is caught within a few hundred rows anyway. See ``spectune bench drift``.
+FIRST_DRAFT_MONITOR = MonitorConfig(
+    detector=DetectorSpec("adwin", {"delta": 1e-4, "clock": 16}), history=4096, min_before=500,
+    min_relative_shift=0.05,
+)
 # One sample per window (log seconds per verified token); clock 1 since windows are few.
 COST_MONITOR = MonitorConfig(
     detector=DetectorSpec("adwin", {"delta": 1e-3, "clock": 1}), history=1024, min_before=30,
@@ -88,6 +113,7 @@ class AlertConfig:
     """The alert manager's settings."""
 
     acceptance: MonitorConfig = ACCEPTANCE_MONITOR
+    first_draft: MonitorConfig | None = FIRST_DRAFT_MONITOR  # None: no monitor across k
     cost: MonitorConfig = COST_MONITOR
     cooldown_s: float = 600.0  # per (kind, bucket, k): at most one alert per 10 minutes of window time
     same_change_rel_tol: float = 0.10  # an acked alert covers later detections whose level after is this close
@@ -123,9 +149,11 @@ class AlertManager:
         self._sinks = list(sinks)
         self._registry = ModelRegistry(store, self.config.registry_flush_s)
         self._rng = random.Random(self.config.seed)
+        self._first_rng = random.Random(self.config.seed + 1)  # its own, so the per-k samples keep their order
         self._acceptance: dict[MonitorKey, BucketMonitor] = {}
+        self._first_draft: dict[MonitorKey, BucketMonitor] = {}
         self._cost: dict[MonitorKey, BucketMonitor] = {}
-        self._last_alert: dict[tuple[str, str, int | None], float] = {}
+        self._last_alert: dict[tuple[str, str, int | None], float] = {}  # cool-down key -> last alert's time
         self._levels: dict[int, tuple[float, ...]] = {}  # k -> (0/k, 1/k, ..., k/k), shared float objects
         self.stats: Counter[str] = Counter()  # raised_<kind>, suppressed_*, skipped_<reason>, failures
 
@@ -157,11 +185,15 @@ class AlertManager:
         return [a for a in (self._raise(x) for x in found) if a is not None]
 
     def observe_acceptance(self, window: AcceptanceWindow, at: float) -> Alert | None:
-        """Feed one acceptance window (its rows, each accepted / k) to its bucket's detector.
+        """Feed one acceptance window (its rows) to its bucket's per-k monitor and to its monitor across k.
 
         Args:
             window: the window; k = 0 windows carry no acceptance and are skipped.
             at: the window's time (its batch's ``window_end``).
+
+        Returns:
+            The alert raised, if any (the per-k monitor's first: it is the more precise; the cool-down keeps a
+            second one for the same bucket from being raised).
         """
         k = window.k
         if k < 1 or window.rows < 1:
@@ -174,13 +206,23 @@ class AlertManager:
         samples = [levels[i] for i, n in enumerate(window.hist) for _ in range(n)]
         self._rng.shuffle(samples)
         key = (window.target_version, window.draft_version, window.request_type, window.context_bucket, k)
+        bucket = f"{key[0]}|{key[1]}|{key[2]}|*|{key[3]}"
         monitor = self._monitor(self._acceptance, key, self.config.acceptance, None)
         change = monitor.add(samples, at)
-        if change is None:
-            return None
-        bucket = f"{key[0]}|{key[1]}|{key[2]}|*|{key[3]}"
-        return self._on_change(ACCEPTANCE_DRIFT, bucket, window.target_version, window.draft_version, k, change,
-                               monitor, self.config.acceptance, ACCEPTANCE_STATISTIC, "rows")
+        raised = None
+        if change is not None:
+            raised = self._on_change(ACCEPTANCE_DRIFT, bucket, window.target_version, window.draft_version, k,
+                                     change, monitor, self.config.acceptance, ACCEPTANCE_STATISTIC)
+        if (cfg := self.config.first_draft) is not None:
+            first = [0.0] * window.hist[0] + [1.0] * (window.rows - window.hist[0])
+            self._first_rng.shuffle(first)
+            monitor = self._monitor(self._first_draft, (*key[:4], ANY_K), cfg, None)
+            change = monitor.add(first, at)
+            if change is not None:
+                alert = self._on_change(ACCEPTANCE_DRIFT, bucket, window.target_version, window.draft_version,
+                                        None, change, monitor, cfg, FIRST_DRAFT_STATISTIC)
+                raised = raised or alert
+        return raised
 
     def observe_cost(self, window: CostWindow, at: float) -> Alert | None:
         """Feed one cost window (its seconds per verified token) to its bucket's detector."""
@@ -196,7 +238,7 @@ class AlertManager:
             return None
         bucket = f"{key[0]}|{key[1]}|*|{key[2]}|{key[3]}"
         return self._on_change(COST_DRIFT, bucket, window.target_version, window.draft_version, window.max_k,
-                               change, monitor, self.config.cost, COST_STATISTIC, "windows")
+                               change, monitor, self.config.cost, COST_STATISTIC)
 
     def flush(self) -> None:
         """Write the registry's pending counts."""
@@ -223,8 +265,8 @@ class AlertManager:
         return m
 
     def _on_change(
-        self, kind: str, bucket: str, target: str, draft: str, k: int, change: Change, monitor: BucketMonitor,
-        cfg: MonitorConfig, statistic: str, unit: str,
+        self, kind: str, bucket: str, target: str, draft: str, k: int | None, change: Change,
+        monitor: BucketMonitor, cfg: MonitorConfig, statistic: str,
     ) -> Alert | None:
         self.stats[f"detections_{kind}"] += 1
         if change.before_count < cfg.min_before:
@@ -235,20 +277,21 @@ class AlertManager:
             self.stats["suppressed_small_shift"] += 1
             return None
         verb = "rose" if shift > 0 else "fell"
-        what = "acceptance rate" if kind == ACCEPTANCE_DRIFT else "seconds per verified token"
+        what, where, unit = STATISTIC_WORDS[statistic]
+        where = where.format(k=k)
         alert = Alert(
             kind=kind, bucket=bucket, k=k, target_version=target, draft_version=draft,
             detected_at=change.detected_at, change_at=change.change_at, statistic=statistic,
             before=change.before, before_count=change.before_count, after=change.after,
             after_count=change.after_count, count_unit=unit, detector=monitor.detector,
-            message=(f"{what} of {bucket} at k={k} {verb} {abs(shift):.0%}: {change.before:.4g} over "
+            message=(f"{what} of {bucket} {where} {verb} {abs(shift):.0%}: {change.before:.4g} over "
                      f"{change.before_count} {unit} -> {change.after:.4g} over {change.after_count} {unit}"),
         )
         return self._raise(alert)
 
     def _raise(self, alert: Alert) -> Alert | None:
         """Cool-down, acked-change check, store, sinks: the one path every alert takes."""
-        ck = (alert.kind, alert.bucket, alert.k)
+        ck = (alert.kind, alert.bucket, None if alert.kind == ACCEPTANCE_DRIFT else alert.k)
         last = self._last_alert.get(ck)
         if last is not None and alert.detected_at - last < self.config.cooldown_s:
             self.stats["suppressed_cooldown"] += 1
