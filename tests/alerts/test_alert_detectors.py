@@ -40,8 +40,8 @@ def test_cost_detector_is_quiet_on_1e5_stationary_windows() -> None:
 
 
 def _acceptance_delay(seed: int, drop: float, m: AlertManager | None = None) -> tuple[int | None, Alert | None]:
-    """Rounds from the change to the alert (None: missed within 3000 rounds), and the alert."""
-    m = m or AlertManager()
+    """Rounds from the change to the alert of the per-k monitor (None: missed within 3000 rounds), and the alert."""
+    m = m or AlertManager(AlertConfig(first_draft=None))
     rng = np.random.default_rng(seed)
     before, after = 300, 300
     hists = np.concatenate([acceptance_hists(rng, before, ROWS_PER_WINDOW, K, ALPHA),

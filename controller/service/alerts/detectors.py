@@ -27,6 +27,10 @@ rows, seed 11) raised 1 alarm: about 1 per 10^6 windows of 8 rows, at the issue'
 per window for denser windows. ``delta=1e-4`` trades ~50 more rows of delay for fewer; ``spectune bench drift``
 is where to settle it on the real mix.
 
+Acceptance across k (the manager's first-draft monitor): one sample per row, 1 if its first draft was accepted,
+else 0, pooled over every k of the bucket. ``delta=1e-4``: it adds almost no false alarms to the per-k monitors
+and is there for drifts that come with a change of k, which are large where a policy moves k because of them.
+
 Cost: one sample per **window** (rounds are not sent one by one), the log of seconds per verified token, so a
 30% slowdown is the same step (log 1.3 = 0.26) on any machine and timing's long right tail is tamed. With
 ``delta=1e-3, clock=1``: 0 alarms in 10^6 stationary windows (lognormal round times, sigma 0.2, 10 rounds a
