@@ -18,10 +18,18 @@ Bad input gets ``400`` with ``{"error": ..., "reason": ...}`` and is counted in
 
 Serving (see :class:`HttpConfig`): one thread accepts connections and watches idle ones with a selector; a
 connection goes to a bounded pool of workers only when a request arrives on it, and comes back to the selector
-after the response (keep-alive). An idle connection therefore holds no thread and is closed after
-``idle_timeout_s``; a request that stalls half-sent is cut after ``request_timeout_s``; when every worker is busy
-and ``max_queued`` connections already wait, a new request gets ``503`` at once. A client that goes away
-mid-response is counted in ``spectune_http_client_disconnects_total``, not as a sidecar error.
+after the response (keep-alive; a response leaves in one write). An idle connection therefore holds no thread and
+is closed after ``idle_timeout_s``; a request that stalls half-sent is cut after ``request_timeout_s``; when every
+worker is busy and ``max_queued`` connections already wait, a new request gets ``503`` at once. A client that goes
+away mid-response is counted in ``spectune_http_client_disconnects_total``, not as a sidecar error.
+
+Shared renderings: ``GET /policy`` keeps its rendering while the table in force is the same object. The pages read
+from the store or from Redis (``/pins``, ``/policy/history``, ``/alerts``, ``/deadletter``, each per query) are
+shared for up to ``page_max_age_s``, and rendered again at once when this sidecar's table version moves (and, for
+``/alerts`` and ``/deadletter``, when it raised an alert or dead-lettered an entry) or after a pin through this
+endpoint; what changed elsewhere (a pin from ``spectune pin``, a peer's dead letter, an operator's ack) shows within
+``page_max_age_s``. Requests for a page that is being rendered wait for that rendering instead of querying again: a
+burst of dashboards costs the store one query per page, and a slow page does not occupy every worker.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -45,7 +54,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from controller.service.sidecar import Sidecar
 from telemetry.alerts import ALERT_KINDS, alert_to_json
 from telemetry.errors import SpectuneError
-from telemetry.records import RecordError
+from telemetry.records import PolicyTable, RecordError
 from telemetry.wire import parse_bucket_key
 
 MAX_BODY_BYTES = 16 << 10  # a pin request is a few hundred bytes
@@ -53,6 +62,8 @@ MAX_LIMIT = 1000  # history / dead-letter pages
 PAYLOAD_PREVIEW = 200  # bytes of a dead letter's payload shown
 SWEEP_S = 0.1  # how often the accept thread closes connections idle past their deadline
 METRICS_MAX_AGE_S = 1.0  # GET /metrics may serve a rendering this old (scrapers poll every 10-60 s)
+MAX_PAGES = 64  # shared renderings kept: limit=1..1000 x filters is unbounded, memory must not be
+WRITE_BUFFER = 64 << 10  # a response up to this size leaves in one write (a larger body: in a second one)
 BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
                  b'Content-Length: 62\r\n\r\n{"error": "too many requests; retry", "reason": "overloaded"}\n')
 
@@ -66,12 +77,16 @@ class HttpConfig:
     request_timeout_s: float = 10.0  # a request (headers and body) or a response write may take this long
     max_queued: int = 256  # connections with a request waiting for a worker; past this: 503 at once
     backlog: int = 128  # listen(2) backlog (socketserver: 5): a burst of 20+ clients must not wait for SYN retries
+    # how old a shared store / Redis page may be (its own changes re-render at once); 0: every request queries
+    page_max_age_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.max_queued < 1 or self.backlog < 1:
             raise ValueError("HttpConfig needs workers, max_queued and backlog >= 1")
         if self.idle_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("HttpConfig timeouts must be > 0")
+        if self.page_max_age_s < 0:
+            raise ValueError("HttpConfig.page_max_age_s must be >= 0")
 
 
 class BadRequest(Exception):
@@ -82,11 +97,83 @@ class BadRequest(Exception):
         self.reason = reason
 
 
+class _Flight:
+    """One rendering of a page in progress; requests for the same page wait on it and take its outcome."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.body: bytes | None = None
+        self.error: BaseException | None = None
+
+
+class _Pages:
+    """Rendered GET pages shared between requests (see the module docstring).
+
+    A page is served again while its ``stamp`` (cheap in-memory state its content follows: the table version,
+    the alerts raised) is unchanged, it is younger than ``max_age_s`` and no write through this endpoint came
+    after it began rendering (:meth:`invalidate`). At most one rendering per page runs at a time.
+    """
+
+    def __init__(self, max_age_s: float) -> None:
+        self._max_age_s = max_age_s
+        self._lock = threading.Lock()
+        self._pages: dict[Hashable, tuple[float, Hashable, bytes]] = {}  # key -> (began, stamp, body)
+        self._flights: dict[Hashable, _Flight] = {}
+        self._generation = 0  # moved by invalidate(): a rendering begun before a write is not kept
+
+    def get(self, key: Hashable, stamp: Hashable, render: Callable[[], bytes]) -> bytes:
+        with self._lock:
+            page = self._pages.get(key)
+            if page is not None and page[1] == stamp and time.monotonic() - page[0] < self._max_age_s:
+                return page[2]
+            flight = self._flights.get(key)
+            if flight is None:
+                flight = self._flights[key] = _Flight()
+                generation = self._generation
+                leader = True
+            else:
+                leader = False
+        if not leader:
+            flight.done.wait()  # the leader sets it whatever happens (finally below)
+            if flight.error is not None:
+                raise flight.error
+            assert flight.body is not None
+            return flight.body
+        began = time.monotonic()
+        try:
+            flight.body = render()
+        except BaseException as e:  # the waiters answer as this request does (a store outage: 503 for all)
+            flight.error = e
+            raise
+        finally:
+            with self._lock:
+                if self._flights.get(key) is flight:
+                    del self._flights[key]
+                if flight.body is not None and generation == self._generation and self._max_age_s > 0:
+                    while len(self._pages) >= MAX_PAGES:
+                        del self._pages[next(iter(self._pages))]  # the oldest inserted
+                    self._pages.pop(key, None)  # re-inserted last: insertion order is age order
+                    self._pages[key] = (began, stamp, flight.body)
+            flight.done.set()
+        return flight.body
+
+    def invalidate(self) -> None:
+        """A write through this endpoint: no page rendered before it is served after it."""
+        with self._lock:
+            self._generation += 1
+            self._pages.clear()
+            self._flights.clear()  # later requests render anew instead of joining a rendering begun before
+
+
 class _Handler(BaseHTTPRequestHandler):
     """One connection's request handler; the server calls :meth:`handle_one_request` once per request."""
 
     server: _Server
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in one write (flushed by handle_one_request / the keep-alive loop): a header
+    # write then a body write is two segments, and Nagle holds the second until the client ACKs the first.
+    wbufsize = WRITE_BUFFER
+    disable_nagle_algorithm = True  # what is written is a whole response: send it now
 
     def __init__(self, sock: socket.socket, addr: Any, server: _Server) -> None:
         self.request, self.client_address, self.server = sock, addr, server
@@ -103,14 +190,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         try:
-            self.end_headers()
+            self.end_headers()  # into the write buffer; sent with the body
             self.wfile.write(body)
         except OSError:  # the client went away (reset, broken pipe, write timeout): its loss, not our error
             self.close_connection = True
             self.server.sidecar.metrics.on_http_client_gone()
 
     def _json(self, code: int, obj: Any) -> None:
-        self._send(code, json.dumps(obj, sort_keys=True).encode() + b"\n")
+        self._send(code, _dumps(obj))
+
+    def _page(self, key: Hashable, stamp: Hashable, render: Callable[[], Any]) -> None:
+        """A 200 JSON page, shared with other requests for ``key`` while ``stamp`` holds (see :class:`_Pages`)."""
+        self._send(200, self.server.pages.get(key, stamp, lambda: _dumps(render())))
 
     def _dispatch(self, method: str) -> None:
         sc = self.server.sidecar
@@ -151,16 +242,16 @@ class _Handler(BaseHTTPRequestHandler):
             if cur is None:
                 return self._json(404, {"error": "no policy published yet; the sidecar has seen no windows",
                                         "reason": "no_policy"})
-            return self._json(200, asdict(cur))
+            return self._send(200, self.server.policy_page(cur))
         if method == "GET" and path == "/policy/history":
             limit = _limit(query, 20)
-            return self._json(200, [
+            return self._page(("history", limit), sc.version, lambda: [
                 {"version": t.version, "created_at": t.created_at, "reason": t.reason, "default_k": t.default_k,
                  "entries": t.entries}
                 for t in sc.store.policy_versions(limit=limit)
             ])
-        if method == "GET" and path == "/pins":
-            return self._json(200, [asdict(p) for p in sc.store.active_pins()])
+        if method == "GET" and path == "/pins":  # a pin that changes the table moves the version
+            return self._page(("pins",), sc.version, lambda: [asdict(p) for p in sc.store.active_pins()])
         if method == "POST" and path == "/pins":
             return self._pin()
         if method == "DELETE" and path.startswith("/pins/"):
@@ -168,13 +259,16 @@ class _Handler(BaseHTTPRequestHandler):
             parse_bucket_key(key)  # RecordError -> 400: no key that could not be pinned reaches the database
             if not sc.store.unpin(key, who="http"):
                 return self._json(404, {"error": f"no active pin on {key!r}", "reason": "no_pin"})
+            self.server.pages.invalidate()
             table = sc.publish_now(f"unpin {key}")
             return self._json(200, {"unpinned": key, "policy_version": table.version if table else sc.version})
         if method == "GET" and path == "/metrics":
             return self._send(200, sc.metrics.exposition(METRICS_MAX_AGE_S), CONTENT_TYPE_LATEST)
         if method == "GET" and path == "/deadletter":
             limit = _limit(query, 50)
-            return self._json(200, [
+            # every dead letter this sidecar wrote is counted in its rejections (sum() runs in C under the GIL:
+            # the loop thread cannot resize the dict mid-sum)
+            return self._page(("deadletter", limit), sum(sc.rejected.values()), lambda: [
                 {"source_id": d.source_id, "reason": d.reason, "size": d.size, "at": d.at,
                  "payload_preview": d.payload[:PAYLOAD_PREVIEW].decode(errors="replace")}
                 for d in sc.transport.recent_dead_letters(limit)
@@ -199,11 +293,17 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(404, {"error": "alerts are off on this sidecar; start it with --alerts",
                                     "reason": "alerts_off"})
         store = sc.alerts.store
-        if store is not None:
-            found = store.list_alerts(limit, unacked_only=unacked == "1", kind=kind)
-        else:  # kept in memory only: none can have been acked
-            found = [a for a in reversed(sc.recent_alerts) if kind is None or a.kind == kind][:limit]
-        return self._json(200, [alert_to_json(a) for a in found])
+        raised = sc.recent_alerts  # trimmed to a fixed length: its newest entry says whether one was raised
+        stamp = (sc.version, len(raised), id(raised[-1]) if raised else None)
+
+        def render() -> list[dict[str, Any]]:
+            if store is not None:
+                found = store.list_alerts(limit, unacked_only=unacked == "1", kind=kind)
+            else:  # kept in memory only: none can have been acked
+                found = [a for a in reversed(sc.recent_alerts) if kind is None or a.kind == kind][:limit]
+            return [alert_to_json(a) for a in found]
+
+        return self._page(("alerts", limit, unacked, kind), stamp, render)
 
     def _pin(self) -> None:
         sc = self.server.sidecar
@@ -231,6 +331,7 @@ class _Handler(BaseHTTPRequestHandler):
             pin = sc.store.pin(bucket, k, reason, who="http")
         except RecordError as e:
             raise BadRequest(e.reason, str(e)) from e
+        self.server.pages.invalidate()
         table = sc.publish_now(f"pin {bucket}={k}")
         # "published": false says the pin is stored but no engine has it yet (the sidecar keeps retrying).
         self._json(200, {"pinned": asdict(pin), "policy_version": table.version if table else sc.version,
@@ -281,6 +382,17 @@ class _Server(HTTPServer):
         self._waiting = 0  # connections submitted to the pool and not yet picked up by a worker
         self._count_lock = threading.Lock()
         self._stop = threading.Event()
+        self.pages = _Pages(config.page_max_age_s)
+        self._policy_page: tuple[PolicyTable | None, bytes] = (None, b"")  # (the table, its rendering)
+
+    def policy_page(self, table: PolicyTable) -> bytes:
+        """``GET /policy``'s body, rendered once per table object (tables are frozen; a new version is a new
+        object)."""
+        held, body = self._policy_page  # one read: a pair another worker replaced is still a matching pair
+        if held is not table:
+            body = _dumps(asdict(table))
+            self._policy_page = (table, body)
+        return body
 
     def serve(self) -> None:
         """The accept / idle-watch loop (the server thread)."""
@@ -389,6 +501,10 @@ class _Server(HTTPServer):
         self.server_close()
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True).encode() + b"\n"
 
 
 def _limit(query: dict[str, list[str]], default: int) -> int:
