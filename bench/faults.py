@@ -31,6 +31,10 @@ subset; each starts from a running system, what an earlier one left down is star
   types, bytes, sizes and nesting. Every entry must be dead-lettered, stored or skipped as a duplicate.
 - ``http``: ``http_requests`` requests from ``http_clients`` concurrent clients against the operator endpoint,
   hostile bodies included (5000-digit k, 5000-deep JSON, NUL in a bucket), with ``idle_connections`` held open.
+  The clients are one selector-driven thread in a process of their own (:func:`http_load`), ``http_clients``
+  connections in flight at all times, each request on a new connection: client threads inside the suite's process
+  would wait for its GIL behind the feeders and the observer, and that wait would be counted as the endpoint's.
+  Latency is from the connect to the last byte of the answer, as the client sees it.
 - ``forged_types``: ``forged_types`` well-formed windows, each with a new request type; the cardinality caps must
   dead-letter the excess (counted per window, as the gate splits a batch), and the sidecar's RSS must stay within
   2x its idle RSS.
@@ -54,10 +58,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import math
 import os
 import random
+import selectors
 import shutil
 import signal
 import socket
@@ -69,10 +75,9 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 from sqlalchemy import create_engine, text
@@ -1149,14 +1154,86 @@ def scenario_forged_tables(s: Suite) -> dict[str, Any]:
 
 
 # ---- HTTP
-def _http(port: int, method: str, path: str, body: bytes = b"", timeout_s: float = 10.0) -> int:
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as c:
-        head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-        c.sendall(head.encode() + body)
-        data = b""
-        while chunk := c.recv(65536):
-            data += chunk
-    return int(data.split(b" ", 2)[1])
+HTTP_STATUS_FAILED = -1  # no answer at all (connection refused, reset, timeout, not HTTP)
+
+
+@dataclass
+class _InFlight:
+    """One request of :func:`http_load` on its own non-blocking connection."""
+
+    i: int  # its index in the request list
+    t0: float  # perf_counter() before the connect
+    out: memoryview  # what is still to send
+    got: bytearray = field(default_factory=bytearray)
+    connected: bool = False
+
+
+def http_load(port: int, reqs: Sequence[tuple[str, str, bytes]], clients: int,
+              timeout_s: float = 10.0) -> list[tuple[int, float]]:
+    """Send ``reqs`` to 127.0.0.1:``port``, ``clients`` at a time, each on a new connection (``Connection: close``),
+    from one thread driving non-blocking sockets with a selector. Returns (status, ms) per request, in order;
+    status -1 when no HTTP answer came within ``timeout_s``."""
+    sel = selectors.DefaultSelector()
+    out: list[tuple[int, float] | None] = [None] * len(reqs)
+    nxt = 0
+
+    def finish(f: _InFlight, sock: socket.socket, code: int) -> None:
+        out[f.i] = (code, (time.perf_counter() - f.t0) * 1e3)
+        sel.unregister(sock)
+        sock.close()
+
+    while True:
+        while len(sel.get_map()) < clients and nxt < len(reqs):
+            method, path, body = reqs[nxt]
+            head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            f = _InFlight(nxt, time.perf_counter(), memoryview(head.encode() + body))
+            nxt += 1
+            sock = socket.socket()
+            sock.setblocking(False)
+            if sock.connect_ex(("127.0.0.1", port)) not in (0, errno.EINPROGRESS):
+                out[f.i] = (HTTP_STATUS_FAILED, (time.perf_counter() - f.t0) * 1e3)
+                sock.close()
+                continue
+            sel.register(sock, selectors.EVENT_WRITE, f)
+        if not sel.get_map():
+            break
+        for key, _ in sel.select(0.1):
+            f, sock = key.data, cast(socket.socket, key.fileobj)
+            try:
+                if f.out:
+                    if not f.connected:
+                        if err := sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                            raise OSError(err, os.strerror(err))
+                        f.connected = True
+                    f.out = f.out[sock.send(f.out):]
+                    if not f.out:
+                        sel.modify(sock, selectors.EVENT_READ, f)
+                elif chunk := sock.recv(65536):
+                    f.got += chunk
+                else:  # the server closed: the whole answer is in
+                    parts = bytes(f.got[:16]).split(b" ", 2)
+                    ok = len(parts) > 1 and parts[0].startswith(b"HTTP/") and parts[1].isdigit()
+                    finish(f, sock, int(parts[1]) if ok else HTTP_STATUS_FAILED)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                finish(f, sock, HTTP_STATUS_FAILED)
+        now = time.perf_counter()
+        for key in list(sel.get_map().values()):
+            if now - key.data.t0 > timeout_s:
+                finish(key.data, cast(socket.socket, key.fileobj), HTTP_STATUS_FAILED)
+    sel.close()
+    return [r if r is not None else (HTTP_STATUS_FAILED, 0.0) for r in out]
+
+
+def _http_load_child() -> None:
+    """``http_load`` in a process of its own: a JSON job on stdin (``port``, ``clients``, ``requests`` as indices
+    into ``HTTP_REQUESTS``), a JSON answer on stdout (``results``, and ``began`` / ``ended`` in wall-clock time)."""
+    job = json.load(sys.stdin)
+    reqs = [HTTP_REQUESTS[i] for i in job["requests"]]
+    began = time.time()
+    results = http_load(job["port"], reqs, job["clients"])
+    json.dump({"results": results, "began": began, "ended": time.time()}, sys.stdout)
 
 
 HOSTILE_REQUESTS: list[tuple[str, str, bytes]] = [
@@ -1178,6 +1255,8 @@ PLAIN_REQUESTS: list[tuple[str, str, bytes]] = [
     ("GET", "/health", b""), ("GET", "/policy", b""), ("GET", "/pins", b""), ("GET", "/metrics", b""),
     ("GET", "/deadletter?limit=5", b""), ("GET", "/policy/history?limit=3", b""), ("GET", "/alerts?limit=5", b""),
 ]
+HTTP_REQUESTS = HOSTILE_REQUESTS + PLAIN_REQUESTS  # what the load process is told to send, by index
+HTTP_LOAD_TIMEOUT_S = 300.0  # the load process as a whole (2,000 requests take a few seconds)
 
 
 def scenario_http(s: Suite) -> dict[str, Any]:
@@ -1190,19 +1269,17 @@ def scenario_http(s: Suite) -> dict[str, Any]:
             with contextlib.suppress(OSError):
                 idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
         rec["idle_connections_open"] = len(idle)
-        rec["fault_at"] = time.time()
-
-        def one(req: tuple[str, str, bytes]) -> tuple[int, float]:
-            t0 = time.perf_counter()
-            try:
-                code = _http(port, *req)
-            except OSError:
-                code = -1  # no answer at all (connection refused, reset, timeout)
-            return code, (time.perf_counter() - t0) * 1e3
-
-        with ThreadPoolExecutor(s.cfg.http_clients) as ex:
-            results = list(ex.map(one, reqs))
-        rec["returned_at"] = time.time()
+        job = {"port": port, "clients": s.cfg.http_clients, "requests": [HTTP_REQUESTS.index(r) for r in reqs]}
+        try:
+            done = subprocess.run([sys.executable, "-c", "from bench.faults import _http_load_child as m; m()"],
+                                  input=json.dumps(job).encode(), capture_output=True, cwd=REPO, check=True,
+                                  timeout=HTTP_LOAD_TIMEOUT_S)
+            answer = json.loads(done.stdout)
+        except (subprocess.SubprocessError, ValueError) as e:
+            err = getattr(e, "stderr", b"") or b""
+            raise FaultSuiteError(f"the HTTP load process failed: {e}; {err.decode(errors='replace')[-2000:]}") from e
+        rec["fault_at"], rec["returned_at"] = answer["began"], answer["ended"]
+        results = [(int(code), float(ms)) for code, ms in answer["results"]]
         for c in idle:
             c.close()
         codes: dict[str, int] = {}
