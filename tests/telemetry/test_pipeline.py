@@ -227,6 +227,51 @@ def test_the_collector_is_paused_only_during_a_step() -> None:
         gc.enable()
 
 
+def test_a_step_leaves_its_survivors_in_the_oldest_generation() -> None:
+    import gc
+
+    from telemetry.ingest import _collector_paused
+
+    with _collector_paused():
+        kept = [[i] for i in range(10_000)]  # tracked containers that outlive the step
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert gc.get_count()[0] < 1_000  # not waiting for a young collection to traverse them
+    assert kept[-1] == [9_999]
+
+
+def test_objects_an_application_froze_stay_frozen() -> None:
+    import gc
+
+    from telemetry.ingest import _collector_paused
+
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with _collector_paused():
+            pass
+        assert gc.get_freeze_count() == frozen and gc.isenabled()
+    finally:
+        gc.unfreeze()
+
+
+def test_a_busy_consumer_runs_a_full_collection_now_and_then(sqlite_url: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    import telemetry.ingest as ingest
+
+    upgrade(sqlite_url)
+    t = InProcessTransport()
+    t.publish([encode_batch(_valid_batch(seq)) for seq in (1, 2)])
+    full: list[int] = []
+    monkeypatch.setattr(ingest, "FULL_COLLECTION_INTERVAL_S", 0.0)
+    monkeypatch.setattr(ingest.gc, "collect", lambda generation=2: full.append(generation) or 0)
+    with Store(sqlite_url) as store:
+        c = Consumer(t, store, ConsumerConfig(consumer="c", block_ms=10))
+        assert len(c.step()) == 2
+    assert full == [2] and gc.isenabled()
+
+
 def test_a_step_decodes_and_stores_with_the_collector_paused(sqlite_url: str) -> None:
     import gc
 
