@@ -47,7 +47,6 @@ from telemetry.schema import (
     AcceptanceWindowRow,
     CostBucketRow,
     CostWindowRow,
-    EngineRow,
     IngestedBatchRow,
     ModelVersionRow,
     PinRow,
@@ -236,12 +235,25 @@ class Store(Database):
         return {(eid, int(seq)): int(bid) for res in results for bid, eid, seq in res}
 
     def _upsert_engines(self, s: Session, engine_ids: set[str], now: float) -> None:
-        rows = [{"engine_id": e, "first_seen_at": now, "last_seen_at": now} for e in sorted(engine_ids)]
-        stmt = self._insert(EngineRow).values(rows)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["engine_id"], set_={"last_seen_at": stmt.excluded.last_seen_at}
-        )
-        s.execute(stmt)
+        """Register the senders and mark them seen now, in sorted order (concurrent sidecars lock rows alike).
+
+        Driver SQL for the reason given in :meth:`_claim_batches` (compiling SQLAlchemy's upsert of a read's few
+        dozen engines cost ~7 us per ingested window): an array for PostgreSQL, multi-row VALUES for SQLite.
+        """
+        conn = s.connection()
+        ids = sorted(engine_ids)
+        head = "INSERT INTO engines (engine_id, first_seen_at, last_seen_at) "
+        tail = " ON CONFLICT (engine_id) DO UPDATE SET last_seen_at = excluded.last_seen_at"
+        if self._dialect == "postgresql":
+            conn.exec_driver_sql(head + "SELECT e, %(now)s, %(now)s FROM unnest(%(e)s::varchar[]) AS t(e)" + tail,
+                                 {"e": ids, "now": now})
+        elif self._dialect == "sqlite":
+            for i in range(0, len(ids), ROWS_PER_STATEMENT):
+                chunk = ids[i : i + ROWS_PER_STATEMENT]
+                flat = [v for e in chunk for v in (e, now, now)]
+                conn.exec_driver_sql(head + "VALUES " + ", ".join(["(?, ?, ?)"] * len(chunk)) + tail, tuple(flat))
+        else:
+            raise StoreError(f"dialect {self._dialect} is not supported; use SQLite or PostgreSQL")
 
     def _bucket_ids(
         self, s: Session, acc_keys: list[AccKey], cost_keys: list[CostKey]

@@ -194,3 +194,24 @@ def test_database_failures_are_store_errors_not_sqlalchemy_errors(db_url: str) -
         with pytest.raises(StoreRejectedError, match="already exists"):
             s.save_policy_version(t)
         assert s.acceptance_windows()  # the store still answers after both failures
+
+
+def test_an_engine_is_registered_once_and_marked_seen_on_each_ingest(db_url: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from sqlalchemy import select
+
+    import telemetry.store as store_mod
+    from telemetry.schema import EngineRow
+
+    upgrade(db_url)
+    with Store(db_url) as s:
+        first, second = _batches(2)
+        other = _batches(1, engine_id="e2")[0]
+        monkeypatch.setattr(store_mod.time, "time", lambda: 100.0)
+        assert s.ingest([first, other]) == 2
+        monkeypatch.setattr(store_mod.time, "time", lambda: 200.0)
+        assert s.ingest([second]) == 1
+        with s._session("reading engines") as sess:
+            rows = sess.execute(select(EngineRow.engine_id, EngineRow.first_seen_at, EngineRow.last_seen_at)
+                                .order_by(EngineRow.engine_id)).all()
+    assert [tuple(r) for r in rows] == [("e1", 100.0, 200.0), ("e2", 100.0, 100.0)]
