@@ -15,7 +15,8 @@ indexes its readers need:
 - the primary key is their only index (``id`` increases with ingestion; readers resume with ``id > since_id``
   and the sidecar asks for ``max(id)``); a model pair's or a request type's buckets are a join to the small
   bucket tables. Every further index is one more B-tree insert per ingested row, for a reader to pay for: none
-  asks for one bucket's windows alone (revision 0004 dropped ``(bucket_id, id)``, half the server's COPY time).
+  asks for one bucket's windows alone, all that a ``(bucket_id, id)`` index would serve (it doubles the server's
+  COPY time into ``acceptance_windows``).
 - ``batch_id`` and ``bucket_id`` are plain columns, not foreign keys: the store writes them in the same
   transaction that registers the batch and the buckets, so a per-row referential check would only re-prove that,
   at two trigger queries per row. Deleting a batch therefore does not cascade to its windows; prune windows by
