@@ -52,6 +52,7 @@ Model versions are not a feature: a new target of the same architecture keeps th
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -180,8 +181,9 @@ class CostModel:
             b = batch_rows / rounds
             want = float(self.predict(batch_bucket, ctx, b)[k].sum())
             want -= self.per_token(batch_bucket, ctx) * max(0.0, b * k - drafted / rounds)
-            if want > 0:
-                self._speed.append(seconds / rounds / want)
+            ratio = seconds / rounds / want if want > 0 else 0.0
+            if 0.0 < ratio < math.inf:  # a window that took no time cannot say how fast the machine is
+                self._speed.append(ratio)
                 del self._speed[: -self.speed_memory]
         return float(np.median(self._speed)) if len(self._speed) >= min(3, self.speed_memory) else 1.0
 

@@ -193,3 +193,13 @@ def test_one_change_seen_at_two_ks_raises_one_alert() -> None:
             raised.append(a)
     assert len(raised) == 1, raised
     assert m.stats["detections_acceptance_drift"] >= 2 and m.stats["suppressed_cooldown"] >= 1, dict(m.stats)
+
+
+def test_a_forged_window_of_2_61_rows_is_skipped_not_expanded() -> None:
+    """Rows are fed to the detectors one by one: a window the wire allows (int64 counts) but no engine sends would
+    take the sidecar's memory; it is counted and skipped."""
+    m = AlertManager()
+    big = 1 << 61
+    hist = np.array([big - 2, 0, 0, 0, 2])
+    assert m.observe_acceptance(acceptance_window(hist, K), 0.0) is None
+    assert m.stats["skipped_implausible"] == 1

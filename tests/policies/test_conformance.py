@@ -111,6 +111,26 @@ def test_garbage_windows_rejected(name: str) -> None:
         p.decide("code|4")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_implausible_windows_are_refused_and_learning_goes_on(name: str, cal: Calibration) -> None:
+    """Windows the wire allows (any finite float, any int64 count) but no engine produces: refused, counted as
+    ``implausible``, and the policy's state stays finite. The fault suite's fuzzer found these: a forged cost
+    window of ~1e308 seconds overflowed goodput's cost aggregates to inf, and every later observe() failed."""
+    p, buckets = _trained(name, cal)
+    huge = Stat(2, 1e308, 1e308, 1e308)
+    big = 1 << 62
+    for w in (_cost(verify_s=huge), _cost(draft_s=huge, verify_s=huge, other_s=huge),
+              _cost(rounds=big // 8, batch_rows=big // 4, tokens_verified=big // 2, emitted=big // 2),
+              _acc(rows=big // 2, drafted=big, accepted=4, emitted=big // 2 + 4, hist=(big // 2 - 2, 0, 2))):
+        with pytest.raises(RecordError) as e:
+            p.observe(w)
+        assert e.value.reason == "implausible"
+    p.observe(_cost())  # still learning from real windows
+    p.observe(_acc())
+    assert all(0 <= p.decide(b).k <= p.k_max for b in buckets)
+    json.dumps(p.snapshot(), allow_nan=False)  # nothing non-finite got in
+
+
 def test_registry_names_match() -> None:
     assert set(REGISTRY) == {"static", "batch_table", "trtllm_schedule", "hf_heuristic", "sglang_adaptive",
                              "sglang_adaptive_bs", "vllm_dynamic", "ucb", "goodput"}

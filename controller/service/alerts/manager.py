@@ -62,6 +62,9 @@ log = logging.getLogger(__name__)
 
 MonitorKey = tuple[str, str, str, str, int]  # target, draft, request type or batch bucket, context bucket, k
 ANY_K = -1  # the k part of a first-draft monitor's key: it pools every k
+# Rows are fed one by one; a window claiming more (the wire allows any int64 count) is forged, not a measurement.
+# A real window holds batch x rounds rows: 512 x 2,000 at most at a 1 s window.
+MAX_ROWS_PER_WINDOW = 1 << 20
 
 
 # statistic -> (what it is, where it was watched ({k}: the alert's k), the unit of its sample counts)
@@ -201,6 +204,9 @@ class AlertManager:
             return None
         if len(window.hist) != k + 1 or any(h < 0 for h in window.hist) or sum(window.hist) != window.rows:
             self.stats["skipped_bad_hist"] += 1
+            return None
+        if window.rows > MAX_ROWS_PER_WINDOW:
+            self.stats["skipped_implausible"] += 1
             return None
         levels = self._levels.get(k) or self._levels.setdefault(k, tuple(i / k for i in range(k + 1)))
         samples = [levels[i] for i, n in enumerate(window.hist) for _ in range(n)]
