@@ -9,8 +9,8 @@ aggregates (:func:`check_round`, :func:`check_rounds`) and the policies' check o
 :func:`check_label`), so that every rule exists once.
 
 Every failure is a :class:`~telemetry.records.RecordError` whose ``reason`` is a short countable label
-(``bad_type``, ``out_of_range``, ``bad_name``, ``non_finite``, ``negative_time``, ``bad_hist``, ...): the
-sidecar counts rejected entries by it and dead-letters them with it.
+(``bad_type``, ``out_of_range``, ``bad_name``, ``non_finite``, ``negative_time``, ``bad_hist``,
+``implausible``, ...): the sidecar counts rejected entries by it and dead-letters them with it.
 
 JSON stays the readable default (``redis-cli`` shows it); msgpack is the same shape, smaller and faster. A payload
 is told apart by its first byte (a JSON object starts with ``{``, a msgpack map never does). Never pickle.
@@ -52,8 +52,15 @@ ENCODINGS: tuple[Encoding, ...] = ("json", "msgpack")
 
 # ------------------------------------------------------------------------------------------ field rules
 MAX_INT64 = (1 << 63) - 1  # counts and sequence numbers are stored as 64-bit integers (BIGINT)
-# A count of rows, tokens, rounds or sequence numbers.
+# A sequence number or other counter: anything a BIGINT holds.
 Count = Annotated[int, Meta(ge=0, le=MAX_INT64)]
+# What one window or round measured (rows, tokens, rounds): ~10^12 at most, far past any engine's window (512
+# rows x 2,000 rounds a second). Larger is a forged entry, and its sums would overflow the float state learnt
+# from it (a policy's aggregates, the alert detectors).
+MAX_TALLY = 1 << 40
+Tally = Annotated[int, Meta(ge=0, le=MAX_TALLY)]
+# Mean seconds per round above this is a stopped clock or a forged entry, not a measurement.
+MAX_ROUND_SECONDS = 3600.0
 # A draft length: 0 (speculation off) to MAX_DRAFT_LEN.
 DraftLen = Annotated[int, Meta(ge=0, le=MAX_DRAFT_LEN)]
 # A batch bucket is an upper edge of batch sizes, so at least one row.
@@ -207,7 +214,7 @@ def _build(cls: type[Any], fields: dict[str, Any]) -> Any:
 
 
 class _Stat(Struct, frozen=True, gc=False):
-    count: Count
+    count: Tally
     total: Seconds
     sumsq: Seconds
     max: Seconds
@@ -230,11 +237,11 @@ class _Acceptance(Struct, frozen=True, gc=False):
     request_type: str
     context_bucket: str
     k: DraftLen
-    rows: Count
-    drafted: Count
-    accepted: Count
-    emitted: Count
-    hist: tuple[Count, ...]
+    rows: Tally
+    drafted: Tally
+    accepted: Tally
+    emitted: Tally
+    hist: tuple[Tally, ...]
 
 
 def _acceptance(a: _Acceptance) -> AcceptanceWindow:
@@ -269,10 +276,10 @@ class _Cost(Struct, frozen=True, gc=False):
     batch_bucket: BatchBucket
     context_bucket: str
     max_k: DraftLen
-    rounds: Annotated[int, Meta(ge=1)]  # a cost window without rounds is no window
-    tokens_verified: Count
-    emitted: Count
-    batch_rows: Count
+    rounds: Annotated[int, Meta(ge=1, le=MAX_TALLY)]  # a cost window without rounds is no window
+    tokens_verified: Tally
+    emitted: Tally
+    batch_rows: Tally
     draft_s: _Stat
     verify_s: _Stat
     other_s: _Stat
@@ -289,6 +296,8 @@ def _cost(c: _Cost) -> CostWindow:
         rule_broken("bad_tokens_verified", "tokens_verified outside [batch_rows, batch_rows * (max_k + 1)]")
     if not (c.latency_p50 and c.latency_p95 and c.latency_p99):
         refuse_negative_zero("a latency", c.latency_p50, c.latency_p95, c.latency_p99)
+    if not c.draft_s.total + c.verify_s.total + c.other_s.total <= MAX_ROUND_SECONDS * rounds:
+        rule_broken("implausible", f"more than {MAX_ROUND_SECONDS:.0f} s per round over {rounds} rounds")
     _label(c.target_version, "target_version")
     _label(c.draft_version, "draft_version")
     _label(c.context_bucket, "context_bucket")
@@ -303,17 +312,17 @@ def _cost(c: _Cost) -> CostWindow:
 
 class _Row(Struct, frozen=True, gc=False):
     request_type: str
-    context_len: Count
+    context_len: Tally
     k: DraftLen
-    accepted: Count
-    emitted: Count
+    accepted: Tally
+    emitted: Tally
 
 
 class _Round(Struct, frozen=True, gc=False):
     round_index: Count
     batch_size: Annotated[int, Meta(ge=1)]
     max_k: DraftLen
-    tokens_verified: Count
+    tokens_verified: Tally
     draft_s: Seconds
     verify_s: Seconds
     other_s: Seconds
@@ -339,6 +348,8 @@ def _round_rules(r: _Round) -> None:
             rule_broken("out_of_range", f"row emitted={x.emitted} with accepted={x.accepted}")
         if x.request_type not in known:
             _label(x.request_type, "request_type")
+    if not r.draft_s + r.verify_s + r.other_s <= MAX_ROUND_SECONDS:
+        rule_broken("implausible", f"a round of more than {MAX_ROUND_SECONDS:.0f} s")
     if not (r.draft_s and r.verify_s and r.other_s and r.timestamp and r.prefill_s):
         refuse_negative_zero("a round time", r.draft_s, r.verify_s, r.other_s, r.timestamp, r.prefill_s)
     _label(r.target_version, "target_version")

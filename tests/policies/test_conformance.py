@@ -113,9 +113,9 @@ def test_garbage_windows_rejected(name: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_implausible_windows_are_refused_and_learning_goes_on(name: str, cal: Calibration) -> None:
-    """Windows the wire allows (any finite float, any int64 count) but no engine produces: refused, counted as
-    ``implausible``, and the policy's state stays finite. The fault suite's fuzzer found these: a forged cost
-    window of ~1e308 seconds overflowed goodput's cost aggregates to inf, and every later observe() failed."""
+    """Windows no engine produces (the wire's tallies and seconds per round are bounded): refused, and the
+    policy's state stays finite. The fault suite's fuzzer found these: a forged cost window of ~1e308 seconds,
+    then allowed, overflowed goodput's cost aggregates to inf, and every later observe() failed."""
     p, buckets = _trained(name, cal)
     huge = Stat(2, 1e308, 1e308, 1e308)
     big = 1 << 62
@@ -124,7 +124,7 @@ def test_implausible_windows_are_refused_and_learning_goes_on(name: str, cal: Ca
               _acc(rows=big // 2, drafted=big, accepted=4, emitted=big // 2 + 4, hist=(big // 2 - 2, 0, 2))):
         with pytest.raises(RecordError) as e:
             p.observe(w)
-        assert e.value.reason == "implausible"
+        assert e.value.reason in ("implausible", "out_of_range")
     p.observe(_cost())  # still learning from real windows
     p.observe(_acc())
     assert all(0 <= p.decide(b).k <= p.k_max for b in buckets)

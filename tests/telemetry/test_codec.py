@@ -134,6 +134,11 @@ def test_numbers_beyond_a_float_are_rejected_not_crashing() -> None:
         ("cost", "rounds", 0, "out_of_range"),
         ("cost", "batch_rows", False, "bad_type"),
         ("cost", "draft_s", {"count": 1, "total": float("inf"), "sumsq": 0.0, "max": 0.0}, "non_finite"),
+        # Finite, but no engine measures it: its sums would overflow what a policy learns to inf.
+        ("cost", "verify_s", {"count": 1, "total": 1e308, "sumsq": 1e308, "max": 1e308}, "implausible"),
+        ("cost", "verify_s", {"count": 1, "total": 3600.0 * 1000, "sumsq": 0.0, "max": 0.0}, "implausible"),
+        ("cost", "emitted", 1 << 41, "out_of_range"),
+        ("acceptance", "emitted", 1 << 41, "out_of_range"),
     ],
 )
 def test_each_rule_names_its_reason(section: str, key: str, value: object, reason: str) -> None:
