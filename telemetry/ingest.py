@@ -80,6 +80,8 @@ class ConsumerStats:
     last_error: str | None
     reclaimed: int = 0  # entries claimed back from this consumer itself (left pending by a failure)
     refused: int = 0  # valid batches the database refused (dead-lettered as store_rejected); not duplicates
+    dead_lettered_entries: int = 0  # entries dead-lettered whole (``rejected`` counts excess labels per window,
+    # and an entry stored with some windows dead-lettered apart as excess is counted in ``stored``)
     transport_ok: bool = True  # the latest transport call succeeded (failures above are cumulative)
     store_ok: bool = True  # the latest store call succeeded
 
@@ -135,7 +137,7 @@ class Consumer:
         self._received = self._claimed = self._stored = self._duplicates = 0
         self._transport_failures = self._store_failures = 0
         self._transport_ok = self._store_ok = True
-        self._reclaimed = self._refused = 0
+        self._reclaimed = self._refused = self._dead_lettered_entries = 0
         # Ids delivered to this consumer and not yet acknowledged or dead-lettered (insertion-ordered set): a
         # claim that returns one of these is a re-claim of our own, not a take-over from a dead consumer.
         self._inflight: dict[str, None] = {}
@@ -195,7 +197,7 @@ class Consumer:
             if self._gate is not None:
                 split = self._gate.split(batch)
                 if split.admitted is None:  # nothing of it is tracked: dead-lettered whole (and acknowledged)
-                    self._reject_excess(eid, payload, split)
+                    self._reject_excess(eid, payload, split, whole=True)
                     continue
                 if split.excess:
                     excess[eid] = split
@@ -235,7 +237,7 @@ class Consumer:
         if excess:
             kept = {eid for eid, _ in valid}
             failed = {eid for eid, split in excess.items()
-                      if eid in kept and not self._reject_excess(eid, payloads[eid], split)}
+                      if eid in kept and not self._reject_excess(eid, payloads[eid], split, whole=False)}
             valid = [(eid, b) for eid, b in valid if eid not in failed]  # excess not dead-lettered yet: stays pending
         try:
             self._t.ack([eid for eid, _ in valid])
@@ -246,15 +248,17 @@ class Consumer:
 
     def _reject(self, eid: str, payload: bytes, reason: str) -> None:
         self._rejected[reason] = self._rejected.get(reason, 0) + 1
+        self._dead_lettered_entries += 1
         try:
             self._t.deadletter(eid, payload, reason)
             self._settled([eid])
         except TransportError as e:  # stays pending; it is rejected again when claimed
             self._transport_failure(e)
 
-    def _reject_excess(self, eid: str, payload: bytes, split: Split) -> bool:
+    def _reject_excess(self, eid: str, payload: bytes, split: Split, *, whole: bool) -> bool:
         """Dead-letter the windows the gate refused (which acknowledges the entry), counted per window under the
-        split's reason. Returns False when the transport failed (the entry stays pending)."""
+        split's reason; ``whole``: none of the entry's windows was stored. Returns False when the transport failed
+        (the entry stays pending)."""
         assert split.excess is not None and split.reason is not None
         try:
             data = encode_batch(split.excess)
@@ -266,6 +270,7 @@ class Consumer:
             self._transport_failure(e)
             return False
         self._rejected[split.reason] = self._rejected.get(split.reason, 0) + split.excess_windows
+        self._dead_lettered_entries += whole
         self._settled([eid])
         return True
 
@@ -295,6 +300,6 @@ class Consumer:
             received=self._received, claimed=self._claimed, stored=self._stored, duplicates=self._duplicates,
             rejected=dict(self._rejected), transport_failures=self._transport_failures,
             store_failures=self._store_failures, last_error=self._last_error,
-            reclaimed=self._reclaimed, refused=self._refused,
+            reclaimed=self._reclaimed, refused=self._refused, dead_lettered_entries=self._dead_lettered_entries,
             transport_ok=self._transport_ok, store_ok=self._store_ok,
         )

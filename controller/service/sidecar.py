@@ -772,6 +772,7 @@ class Sidecar:
             "reclaimed_own": cs.reclaimed,
             "store_refused": cs.refused,
             "rejected": dict(self.rejected),
+            "dead_lettered_entries": cs.dead_lettered_entries,
             "transport_failures": cs.transport_failures,
             "store_failures": cs.store_failures,
             "errors": self.errors,
