@@ -1,0 +1,53 @@
+"""The mixed cells' coordinate search (``bench.engine.coordinate_search``) against scripted measurements."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from bench.engine import MIXED_GRID, REQUEST_TYPES, KConfig, coordinate_search
+
+START: KConfig = dict.fromkeys(REQUEST_TYPES, 2)
+
+
+class Scripted:
+    """Probes favour ``lucky`` for code; side-by-side confirmations return ``confirm`` (held, challenger)."""
+
+    def __init__(self, lucky: KConfig, confirm: tuple[float, float]) -> None:
+        self.lucky, self.confirm = lucky, confirm
+        self.calls: list[tuple[list[KConfig], int]] = []
+
+    def __call__(self, configs: Sequence[KConfig], reps: int) -> list[float]:
+        self.calls.append((list(configs), reps))
+        if len(configs) == 2:  # a confirmation: (current triple, probe winner)
+            return list(self.confirm)
+        return [110.0 if c == self.lucky else 100.0 for c in configs]
+
+
+def test_a_probe_winner_that_loses_the_confirmation_is_not_adopted() -> None:
+    lucky = {**START, "code": 6}
+    fake = Scripted(lucky, confirm=(105.0, 98.0))
+    triple, log = coordinate_search(fake, START, passes=1, probe_reps=3, confirm_reps=10)
+    assert triple == START
+    assert log[0]["confirm"] == {"held": 105.0, "challenger": 98.0}
+    assert log[0]["chosen"] == START
+    assert fake.calls[1] == ([START, lucky], 10)  # the held triple and the winner, side by side, confirm_reps each
+
+
+def test_a_confirmed_winner_is_adopted_and_the_search_goes_on_from_it() -> None:
+    lucky = {**START, "code": 6}
+    fake = Scripted(lucky, confirm=(100.0, 108.0))
+    triple, log = coordinate_search(fake, START, passes=1, probe_reps=3, confirm_reps=10)
+    assert triple == lucky
+    # The next type's probes hold code at 6.
+    prose_probes = fake.calls[2][0]
+    assert [c["code"] for c in prose_probes] == [6] * len(MIXED_GRID)
+    assert [c["prose"] for c in prose_probes] == list(MIXED_GRID)
+    assert [step["vary"] for step in log] == list(REQUEST_TYPES)
+
+
+def test_no_confirmation_when_the_current_triple_wins_its_probes() -> None:
+    fake = Scripted(START, confirm=(0.0, 1e9))  # a confirmation would adopt: none must run
+    triple, log = coordinate_search(fake, START, passes=2, probe_reps=3, confirm_reps=10)
+    assert triple == START
+    assert all(len(configs) == len(MIXED_GRID) for configs, _ in fake.calls)
+    assert len(log) == 2 * len(REQUEST_TYPES) and not any("confirm" in step for step in log)
