@@ -229,8 +229,9 @@ def coordinate_search(tok_s_of: Callable[[Sequence[KConfig], int], list[float]],
     For each request type in turn, every k of the grid is measured ``probe_reps`` times with the other types held.
     The best of several noisy probes is biased upward (the winner's curse: with 3 probes per k at batch 64 the
     search once kept a triple that measured 0.88x the uniform k it started from), so a probe winner replaces the
-    current triple only after the two are measured again side by side, ``confirm_reps`` times each, and the
-    winner is still faster. ``tok_s_of(configs, reps)`` measures configurations interleaved and returns tok/s.
+    current triple only after the two are measured again side by side, ``confirm_reps`` times each, and the winner
+    is still faster: a fresh measurement of two configurations is unbiased. ``tok_s_of(configs, reps)`` measures
+    configurations interleaved and returns tok/s.
     """
     triple = dict(start)
     log: list[dict[str, Any]] = []
@@ -256,7 +257,9 @@ def _run_mixed(models: Any, sec: Section, bsz: int, seed: int) -> dict[str, Any]
     sweep_reps, probe_reps, final_reps = sec.mixed_reps
     probes = sec.mixed_passes * len(REQUEST_TYPES) * (len(MIXED_GRID) - 1)
     confirms = sec.mixed_passes * len(REQUEST_TYPES)  # at most one side-by-side confirmation per probe set
-    rounds = len(MIXED_GRID) * (1 + sweep_reps) + probes * probe_reps + (2 * confirms + 3) * final_reps + 2
+    # Confirmations take probe_reps each: a fresh two-way comparison is unbiased, and the rows' caches (2,048
+    # positions, up to k + 1 tokens a round) leave no room for final_reps.
+    rounds = len(MIXED_GRID) * (1 + sweep_reps) + (probes + 2 * confirms) * probe_reps + 3 * final_reps + 2
     rows = _Rows(models, "sample", _mixed_types(bsz), "short", rounds * (max(MIXED_GRID) + 1) + 8, seed)
     rng = random.Random(seed)
     uniform = _uniform(MIXED_GRID)
@@ -270,7 +273,7 @@ def _run_mixed(models: Any, sec: Section, bsz: int, seed: int) -> dict[str, Any]
         return [_tok_s(m) for m in rows.measure(configs, reps, rng)]
 
     triple, search = coordinate_search(tok_s_of, dict.fromkeys(REQUEST_TYPES, best_uniform), sec.mixed_passes,
-                                       probe_reps, final_reps)
+                                       probe_reps, probe_reps)
     # Plain, the best uniform k and the best triple side by side: rows grow longer during the search, so only
     # figures measured together compare (the sweep's are from shorter contexts).
     final = rows.measure([*_uniform([0, best_uniform]), triple], final_reps, rng)
