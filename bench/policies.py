@@ -184,6 +184,7 @@ def bucket_metrics(res: SimResult, oracle: SimResult, specs: Sequence[WindowSpec
     for wi, ks in enumerate(res.ks):
         for key, k in ks.items():
             per_bucket[key].append((float(ratio[wi]), int(res.rounds[wi]), float(k)))
+    base = specs[0].version if specs else BASE_VERSION  # the workload starts on the target before the update
     cold: list[int | None] = []
     after: list[int | None] = []
     changes = bucket_rounds = 0
@@ -199,7 +200,7 @@ def bucket_metrics(res: SimResult, oracle: SimResult, specs: Sequence[WindowSpec
         # of the two windows after it are not counted (at batch 1 a window holds ~100 rounds, so counting them
         # would put a floor of ~300 rounds under a policy that is right from its first window).
         reached = int(rounds[hit[0]]) if hit.size else None
-        (cold if key.startswith(BASE_VERSION + "|") else after).append(reached)
+        (cold if key.startswith(base + "|") else after).append(reached)
 
     def summary(xs: list[int | None]) -> dict[str, Any]:
         done = [x for x in xs if x is not None]
@@ -382,13 +383,13 @@ class _EngineRun:
         if eng is None:
             need = 1 + self.prompt_len[spec.context] + self.plan.max_new_tokens + 2 * (K_MAX + 1)
             cfg = EngineConfig(max_batch=spec.batch_size, max_context=need, k_max=K_MAX, seed=self.seed)
-            target = m.target if spec.version == m.target_version else m.target_v2
+            target = target_of(m, spec.version)
             eng = self.engines[key] = SpecEngine(target, m.draft, cfg, spec.version, m.draft_version)
             for i in range(spec.batch_size):  # staggered lengths: rows then retire one by one, not all at once
                 eng.submit(self._request(spec, max(1, self.plan.max_new_tokens * (i + 1) // spec.batch_size)))
             eng.step(lambda _t, _b, _c: 0)  # prefill (and a first plain round), outside the measurement
         elif eng.target_version != spec.version:
-            eng.swap_target(self.models.target_v2, spec.version)  # the model update (re-prefills live rows)
+            eng.swap_target(target_of(m, spec.version), spec.version)  # the model update (re-prefills live rows)
         return eng
 
     def window(self, policy: Policy, spec: WindowSpec) -> tuple[int, float, int, dict[str, int]]:
@@ -416,6 +417,18 @@ class _EngineRun:
         for cw in agg.cost:
             policy.observe(cw)
         return sum(r.emitted for r in records), secs, len(records), decide.used
+
+
+def target_of(models: Any, version: str) -> Any:
+    """The loaded target whose version id is ``version`` (the profile's target-v1 or target-v2).
+
+    Matched by id, never by "not the first": the xl profile's ids are target-v1-xl4 / target-v2-xl4, and a window
+    labelled with another id would otherwise decode with the updated target from the start.
+    """
+    by_version = {models.target_version: models.target, models.target_v2_version: models.target_v2}
+    if version not in by_version or by_version[version] is None:
+        raise ValueError(f"no loaded target has version {version!r}; loaded: {sorted(by_version)}")
+    return by_version[version]
 
 
 def replay_interleaved(models: Any, plan: EnginePlan, prompts: dict[tuple[str, str], list[bytes]], seed: int,
@@ -508,8 +521,9 @@ def _engine_section(
         return None, {}
     t_start = time.perf_counter()
     types = sorted(REQUEST_TYPES)
-    specs = workload(types, plan.windows * NOMINAL_ROUNDS_PER_WINDOW, seed, update_version=models.target_v2_version,
-                     batch_cap=plan.batch_cap, long_batch_cap=plan.long_batch_cap, stretch=plan.stretch)
+    specs = workload(types, plan.windows * NOMINAL_ROUNDS_PER_WINDOW, seed, base_version=models.target_version,
+                     update_version=models.target_v2_version, batch_cap=plan.batch_cap,
+                     long_batch_cap=plan.long_batch_cap, stretch=plan.stretch)
     prompts = engine_prompts(plan, seed)
     ctx_label = {cx: DEFAULT_BUCKETS.context_bucket(1 + n + plan.max_new_tokens) for cx, n in plan.prompt_bytes}
 

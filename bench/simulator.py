@@ -343,7 +343,7 @@ PHASES = (
 
 
 def workload(types: Sequence[str], total_rounds: int, seed: int, window_rounds: int = NOMINAL_ROUNDS_PER_WINDOW,
-             update_version: str = "target-v2", batch_cap: int | None = None,
+             update_version: str = "target-v2", batch_cap: int | None = None, base_version: str = BASE_VERSION,
              long_batch_cap: int | None = None, stretch: tuple[int, int] = (3, 10)) -> list[WindowSpec]:
     """Window specs through :data:`PHASES`: low load, load rising, long contexts arriving, request-mix change,
     load falling, model update. Load stays put for ``stretch`` windows at a time; each phase visits its batch
@@ -355,6 +355,7 @@ def workload(types: Sequence[str], total_rounds: int, seed: int, window_rounds: 
         seed: seeds the draws of batch size and context per stretch of windows.
         window_rounds: nominal rounds per window, only to size the workload.
         update_version: the target version of the last phase.
+        base_version: the target version before it (the engine section passes its profile's, e.g. target-v1-xl4).
         batch_cap: largest batch served (a shorter engine run); larger draws run at the cap. None: no cap.
         long_batch_cap: largest batch served at long context (a CPU engine cannot prefill 64 long prompts in
             reasonable time); long windows above it run at the cap. None: no cap.
@@ -369,7 +370,7 @@ def workload(types: Sequence[str], total_rounds: int, seed: int, window_rounds: 
     out: list[WindowSpec] = []
     lo, hi = stretch
     for ph in PHASES:
-        version = update_version if ph.version != BASE_VERSION else ph.version
+        version = update_version if ph.version != BASE_VERSION else base_version
         n_windows = max(1, round(ph.share * total_rounds / window_rounds))
         cycle: list[int] = []
         while n_windows > 0:

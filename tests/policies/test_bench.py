@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench.policies import EnginePlan, median_of_repeats, replay_interleaved, schedule_from_best
-from bench.simulator import Calibration, WindowSpec, workload
+from bench.policies import (
+    EnginePlan,
+    _EngineRun,
+    bucket_metrics,
+    median_of_repeats,
+    replay_interleaved,
+    schedule_from_best,
+    target_of,
+)
+from bench.simulator import Calibration, SimResult, WindowSpec, workload
 from policies import GoodputPolicy, StaticPolicy
 
 FIXTURE = Path(__file__).with_name("fixture_engine.json")
@@ -114,3 +123,37 @@ def test_engine_replay_is_closed_loop_and_seeded(tiny_models: object) -> None:
     assert all(set(ks.values()) == {2} for ks in a.ks)
     assert all(key.startswith("target-v2|") for ks in a.ks[2:] for key in ks)  # the model update happened
     assert all(0 <= k <= 8 for ks in out["goodput"].ks for k in ks.values())
+
+
+def test_engine_windows_decode_with_the_target_their_version_names(tiny_models: object) -> None:
+    """The xl profile's ids are target-v1-xl4 / target-v2-xl4: its workload must carry them, and a window whose id
+    names no loaded target is refused (it once decoded the whole xl workload with target-v2)."""
+    from engine.loader import Models
+
+    assert isinstance(tiny_models, Models)
+    xl = dataclasses.replace(tiny_models, target_version="target-v1-xl4", target_v2_version="target-v2-xl4")
+    assert target_of(xl, "target-v1-xl4") is xl.target and target_of(xl, "target-v2-xl4") is xl.target_v2
+    with pytest.raises(ValueError, match="no loaded target has version 'target-v1'"):
+        target_of(xl, "target-v1")
+    specs = workload(["code", "prose", "structured"], 48 * 20, seed=0, base_version=xl.target_version,
+                     update_version=xl.target_v2_version)
+    assert specs[0].version == "target-v1-xl4" and specs[-1].version == "target-v2-xl4"
+    assert {s.version for s in specs} == {"target-v1-xl4", "target-v2-xl4"}
+    plan = EnginePlan(windows=2, window_s=0.01, sweep_ks=(0,), batch_cap=4, long_batch_cap=2, stretch=(1, 1),
+                      repeats=1, prompt_bytes=(("short", 16), ("long", 64)), max_new_tokens=8)
+    prompts = {(t, cx): [b"x" * n] for t in ("code", "prose", "structured") for cx, n in plan.prompt_bytes}
+    run = _EngineRun(xl, plan, prompts, seed=3)
+    mix = (0.4, 0.4, 0.2)
+    run.window(StaticPolicy(k=2), WindowSpec(4, "short", mix, "target-v1-xl4"))
+    assert run.engines[(4, "short")].target is xl.target
+    run.window(StaticPolicy(k=2), WindowSpec(4, "short", mix, "target-v2-xl4"))
+    assert run.engines[(4, "short")].target is xl.target_v2  # the model update swapped the target
+
+
+def test_rounds_to_90_split_cold_and_after_update_by_the_workloads_first_version() -> None:
+    mix = (0.4, 0.4, 0.2)
+    specs = [WindowSpec(1, "short", mix, "target-v1-xl4"), WindowSpec(1, "short", mix, "target-v2-xl4")]
+    ks = [{"target-v1-xl4|draft-v1|code|1|<=512": 2}, {"target-v2-xl4|draft-v1|code|1|<=512": 2}]
+    res = SimResult(np.ones(2), np.ones(2), np.full(2, 10.0), np.ones(2), ks)
+    out = bucket_metrics(res, res, specs)
+    assert out["rounds_to_90_cold"]["buckets"] == 1 and out["rounds_to_90_after_update"]["buckets"] == 1
