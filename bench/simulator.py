@@ -343,7 +343,7 @@ PHASES = (
 
 
 def workload(types: Sequence[str], total_rounds: int, seed: int, window_rounds: int = NOMINAL_ROUNDS_PER_WINDOW,
-             update_version: str = "target-v2", batch_cap: int | None = None, base_version: str = BASE_VERSION,
+             base_version: str = BASE_VERSION, update_version: str = "target-v2", batch_cap: int | None = None,
              long_batch_cap: int | None = None, stretch: tuple[int, int] = (3, 10)) -> list[WindowSpec]:
     """Window specs through :data:`PHASES`: low load, load rising, long contexts arriving, request-mix change,
     load falling, model update. Load stays put for ``stretch`` windows at a time; each phase visits its batch
@@ -354,8 +354,9 @@ def workload(types: Sequence[str], total_rounds: int, seed: int, window_rounds: 
         total_rounds: workload length in nominal rounds (``window_rounds`` per window).
         seed: seeds the draws of batch size and context per stretch of windows.
         window_rounds: nominal rounds per window, only to size the workload.
+        base_version: the target version before the update (the engine section passes its profile's, e.g.
+            target-v1-xl4).
         update_version: the target version of the last phase.
-        base_version: the target version before it (the engine section passes its profile's, e.g. target-v1-xl4).
         batch_cap: largest batch served (a shorter engine run); larger draws run at the cap. None: no cap.
         long_batch_cap: largest batch served at long context (a CPU engine cannot prefill 64 long prompts in
             reasonable time); long windows above it run at the cap. None: no cap.
