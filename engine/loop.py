@@ -333,11 +333,10 @@ class SpecEngine:
         self, model: Transformer, cache: object, rows: list[int], seqs: list[list[int]]
     ) -> torch.Tensor:
         """Right-pad ``seqs`` and append them to ``rows`` of ``cache``. Returns logits ``[R, T, V]``."""
-        lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-        t = int(lens.max())
-        buf = torch.zeros(len(seqs), t, dtype=torch.long)
-        for j, s in enumerate(seqs):
-            buf[j, : len(s)] = torch.tensor(s, dtype=torch.long)
+        lens_l = [len(s) for s in seqs]
+        t = max(lens_l)
+        lens = torch.tensor(lens_l, dtype=torch.long)
+        buf = torch.tensor([s + [0] * (t - len(s)) for s in seqs], dtype=torch.long)  # [R, T]: one copy, not R
         return model.forward_cached(
             buf.to(self.device, non_blocking=True), cache, torch.tensor(rows, dtype=torch.long), lens  # type: ignore[arg-type]
         )

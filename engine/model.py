@@ -115,21 +115,22 @@ def _onednn_linear_available() -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that, on the CPU in fp32 at inference, runs inputs through the faster of oneDNN and BLAS.
+    """``nn.Linear`` that, on the CPU in fp32 at inference, runs each input through the faster of oneDNN and BLAS.
 
     Why: the BLAS behind fp32 ``F.linear`` on CPU builds is 2-6x slower than oneDNN with a pre-packed weight for
-    2..512 tokens (measured: 9 tokens x 768 x 4096 takes 4.3 ms vs 0.8 ms), so multi-token inputs (verifying
-    k + 1 tokens, packed batches) always take oneDNN. For one token (matrix-vector) the winner depends on the
-    machine and the weight's size: on one development machine BLAS won for every shipped shape, on another
-    oneDNN is 3x faster for the xl target's 768 x 4096 MLP and BLAS 2x faster for the draft's 160 x 480. A plain
-    decoding baseline on the slower kernel would flatter speculation, so :meth:`pack` times both for one token
-    once per weight shape and keeps the faster (``ONE_TOKEN_KERNEL`` caches the choice per process). The two
-    kernels differ only in the order of their sums.
+    large enough inputs (measured: 9 tokens x 768 x 4096 takes 4.3 ms vs 0.8 ms), while oneDNN has a floor of
+    about 15 us a call that BLAS does not: for the draft's 160 x 160 projection BLAS takes 5 us for one token and
+    8 us for two. Where the two cross depends on the machine and the weight's shape (on one development machine
+    BLAS won every one-token call, on another oneDNN was 3x faster for the xl target's 768 x 4096 MLP). A plain
+    decoding baseline on the slower kernel would flatter speculation, and a draft step on it would hide what
+    speculation gains, so :meth:`pack` times both kernels once per weight shape at ``CROSSOVER_PROBES`` token
+    counts and keeps the smallest count from which oneDNN is faster (``KERNEL_CROSSOVER`` caches it per
+    process). The two kernels differ only in the order of their sums.
     """
 
     _packed: torch.Tensor | None = None
     _packed_version: int = -1
-    _onednn_for_one: bool = False
+    _onednn_from: int = 1  # token counts from this one up take oneDNN, smaller ones BLAS
 
     def pack(self) -> None:
         """Pre-pack the weight for oneDNN (CPU, fp32, when available); a no-op elsewhere."""
@@ -137,32 +138,38 @@ class Linear(nn.Linear):
         if w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
             self._packed_version = w._version
-            self._onednn_for_one = self._onednn_faster_for_one_token()
+            self._onednn_from = self._kernel_crossover()
         else:
             self._packed = None
 
     @torch.no_grad()
-    def _onednn_faster_for_one_token(self) -> bool:
+    def _kernel_crossover(self) -> int:
+        """The smallest probed token count at which oneDNN beats BLAS on this weight (a large number: never)."""
         key = (self.in_features, self.out_features, self.bias is not None, torch.get_num_threads())
-        if key not in ONE_TOKEN_KERNEL:
-            x = torch.randn(1, self.in_features, generator=torch.Generator().manual_seed(0))
+        if key not in KERNEL_CROSSOVER:
             packed = self._packed
+            crossover = NEVER
+            for tokens in CROSSOVER_PROBES:
+                x = torch.randn(tokens, self.in_features, generator=torch.Generator().manual_seed(tokens))
 
-            def onednn() -> torch.Tensor:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+                def onednn(x: torch.Tensor = x) -> torch.Tensor:
+                    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
-            def blas() -> torch.Tensor:
-                return F.linear(x, self.weight, self.bias)
+                def blas(x: torch.Tensor = x) -> torch.Tensor:
+                    return F.linear(x, self.weight, self.bias)
 
-            ONE_TOKEN_KERNEL[key] = _median_seconds(onednn) < _median_seconds(blas)
-        return ONE_TOKEN_KERNEL[key]
+                if _median_seconds(onednn) < _median_seconds(blas):
+                    crossover = tokens
+                    break
+            KERNEL_CROSSOVER[key] = crossover
+        return KERNEL_CROSSOVER[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
         if (
             packed is not None
             and not self.training
-            and (self._onednn_for_one or x.numel() > x.shape[-1])  # one token: the kernel pack() timed faster
+            and x.numel() >= self._onednn_from * x.shape[-1]  # enough tokens that oneDNN was timed faster
             and self.weight._version == self._packed_version  # weights unchanged since packing
             and x.dtype == torch.float32
             and not torch.is_grad_enabled()
@@ -171,8 +178,13 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-ONE_TOKEN_KERNEL: dict[tuple[int, int, bool, int], bool] = {}  # (in, out, bias, threads) -> oneDNN is faster
-KERNEL_TIMING_CALLS = 15  # per kernel and weight shape at pack time: a median of 15 calls, about 10 ms for xl
+# (in, out, bias, threads) -> the smallest token count from which oneDNN is faster (timed once per process)
+KERNEL_CROSSOVER: dict[tuple[int, int, bool, int], int] = {}
+# Token counts a pack() times: a decode step (1), one row's verify window (2-9), a small batch (16), a batch of
+# 64 decode steps. A weight where BLAS won at every probe keeps BLAS for every input.
+CROSSOVER_PROBES = (1, 2, 3, 4, 6, 9, 16, 64)
+NEVER = 1 << 62  # the crossover of a weight where oneDNN never won
+KERNEL_TIMING_CALLS = 15  # per kernel, weight shape and token count at pack time: a median of 15 calls
 
 
 def _median_seconds(fn: Callable[[], torch.Tensor]) -> float:
@@ -199,25 +211,30 @@ class RMSNorm(nn.Module):
 
 
 def rope_table(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine and sine tables for rotary embeddings.
+    """Rotary tables in the form :func:`apply_rope` takes, for pairs (first half, second half) of a head.
 
     Returns:
-        cos, sin: ``[max_len, head_dim // 2]`` float32.
+        cos: ``[max_len, head_dim]`` float32, ``cat(cos, cos)`` of each position's angles.
+        sin: ``[max_len, head_dim]`` float32, ``cat(-sin, sin)``: the sign of the rotation is folded in.
     """
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    ang = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
-    return ang.cos(), ang.sin()
+    ang = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)  # [max_len, D/2]
+    cos, sin = ang.cos(), ang.sin()
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (first half, second half) of the head dimension.
+    """Rotate pairs (first half, second half) of the head dimension: ``(x1, x2) -> (x1 c - x2 s, x2 c + x1 s)``.
+
+    Written as ``x * cos + roll(x, D/2) * sin`` with the tables of :func:`rope_table`: three kernels instead of the
+    eight of chunk / four products / sum / difference / cat. A decode step of the one-layer draft is mostly
+    per-kernel overhead, so this is measurable there.
 
     Args:
         x: ``[..., B, H, T, D]`` (queries and keys may be stacked in front).
-        cos, sin: ``[B, 1, T, D/2]`` gathered at each token's absolute position.
+        cos, sin: ``[B, 1, T, D]`` gathered at each token's absolute position.
     """
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 @dataclass(frozen=True)
@@ -229,8 +246,8 @@ class CachedAttention:
     KV read, not the few padded queries.
     """
 
-    cos: torch.Tensor  # [R, 1, T, D/2] rotary tables at each token's absolute position
-    sin: torch.Tensor  # [R, 1, T, D/2]
+    cos: torch.Tensor  # [R, 1, T, D] rotary tables at each token's absolute position (see rope_table)
+    sin: torch.Tensor  # [R, 1, T, D]
     mask: torch.Tensor | None  # [R, 1, T, end] additive float mask (0 visible, -inf hidden); None: all visible
     rows: torch.Tensor  # [R, 1] cache rows on the device
     flat: torch.Tensor  # [R * H * T] offsets of the new keys/values in the cache viewed [B * H * L', D]
@@ -275,7 +292,7 @@ class Block(nn.Module):
 
         Args:
             x: ``[B, T, C]``.
-            cos, sin: ``[1, 1, T, D/2]``.
+            cos, sin: ``[1, 1, T, D]``.
         """
         b, t, c = x.shape
         qkv = self.wqkv(self.attn_norm(x)).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
@@ -316,7 +333,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Byte-level Llama-style decoder."""
 
-    rope_cos: torch.Tensor  # [max_seq_len, head_dim / 2] buffers, not parameters
+    rope_cos: torch.Tensor  # [max_seq_len, head_dim] buffers, not parameters (see rope_table)
     rope_sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -409,8 +426,78 @@ class Transformer(nn.Module):
         r, t = tokens.shape
         if rows is None:
             rows = torch.arange(cache.batch_size)
-        lo = int(rows[0])
-        contiguous = bool((rows == torch.arange(lo, lo + r)).all())
+        rows_l = rows.tolist()
+        lo = rows_l[0]
+        span = (lo, lo + r) if rows_l == list(range(lo, lo + r)) else None  # contiguous rows: a view of the cache
+        if t == 1:
+            ctx, new_lens = self._one_token_context(cache, rows, span, dev)
+        else:
+            ctx, new_lens = self._ragged_context(cache, rows, span, real_lens, t, dev)
+        x = self.embed(ctx.pack(tokens[:, :, None])[:, 0])  # [N, C]
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, Block)
+            x = layer.forward_cached(x, ctx, (cache.k[i], cache.v[i]))
+        cache.lengths[rows] = new_lens
+        return ctx.unpack(self.head(self.norm(x)).float())
+
+    def _one_token_context(
+        self, cache: KVCache, rows: torch.Tensor, span: tuple[int, int] | None, dev: torch.device
+    ) -> tuple[CachedAttention, torch.Tensor]:
+        """The attention context of a decode step: one new token per row, no padding.
+
+        The same context :meth:`_ragged_context` builds for ``T = 1``, in a third of the kernels: a draft step
+        of the one-layer draft costs little more than its kernel launches, so the set-up is a visible share.
+
+        Args:
+            rows: ``[R]`` int64 CPU.
+        Returns:
+            the context, and the rows' lengths after the step (``[R]`` CPU).
+        """
+        starts = cache.lengths[rows]  # [R] CPU: each row's new token goes to position starts[r]
+        starts_l = starts.tolist()
+        end = max(starts_l) + 1
+        if end > cache.capacity:
+            raise CacheCapacityError(
+                f"a row would reach {end} positions but the cache holds {cache.capacity}; "
+                "raise the engine's max_context or shorten the request"
+            )
+        dtype = self.embed.weight.dtype
+        mask = None
+        if min(starts_l) != end - 1:  # rows of different lengths: hide each row's keys past its own position
+            visible = torch.arange(end)[None, :] <= starts[:, None]  # [R, end]
+            mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+            mask = mask.to(dev, non_blocking=True)[:, None, None]  # [R, 1, 1, end]
+        n_h, slots = self.cfg.n_heads, cache.capacity + 1
+        flat = (rows[:, None] * n_h + torch.arange(n_h)[None, :]) * slots + starts[:, None]  # [R, H]
+        pos = starts.to(dev, non_blocking=True)
+        ctx = CachedAttention(
+            cos=self.rope_cos[pos].to(dtype)[:, None, None],
+            sin=self.rope_sin[pos].to(dtype)[:, None, None],
+            mask=mask,
+            rows=rows.to(dev)[:, None],
+            flat=flat.reshape(-1).to(dev, non_blocking=True),
+            attend_len=end,
+            row_span=span,
+            padded_shape=(rows.shape[0], 1),
+            real=None,
+        )
+        return ctx, starts + 1
+
+    def _ragged_context(
+        self,
+        cache: KVCache,
+        rows: torch.Tensor,
+        span: tuple[int, int] | None,
+        real_lens: torch.Tensor | None,
+        t: int,
+        dev: torch.device,
+    ) -> tuple[CachedAttention, torch.Tensor]:
+        """The attention context of a forward appending up to ``t`` tokens per row (see :meth:`forward_cached`).
+
+        Returns:
+            the context, and the rows' lengths after the forward (``[R]`` CPU).
+        """
+        r = rows.shape[0]
         if real_lens is None:
             real_lens = torch.full((r,), t, dtype=torch.long)
         starts = cache.lengths[rows]  # [R] CPU
@@ -452,16 +539,11 @@ class Transformer(nn.Module):
             rows=rows.to(dev)[:, None],
             flat=flat_cpu.reshape(-1).to(dev, non_blocking=True),
             attend_len=end,
-            row_span=(lo, lo + r) if contiguous else None,
+            row_span=span,
             padded_shape=(r, t),
             real=real,
         )
-        x = self.embed(ctx.pack(tokens[:, :, None])[:, 0])  # [N, C]
-        for i, layer in enumerate(self.layers):
-            assert isinstance(layer, Block)
-            x = layer.forward_cached(x, ctx, (cache.k[i], cache.v[i]))
-        cache.lengths[rows] = new_lens
-        return ctx.unpack(self.head(self.norm(x)).float())
+        return ctx, new_lens
 
 
 class CacheCapacityError(ValueError):
