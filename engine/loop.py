@@ -373,21 +373,32 @@ class SpecEngine:
         logits = self._ragged_forward(self.draft, self.d_cache, rows, seqs)
         last_idx = torch.tensor([len(s) - 1 for s in seqs], device=self.device)
         step_logits = logits[torch.arange(len(rows), device=self.device), last_idx][:, None]  # [S, 1, V]
-        rows_cpu = torch.tensor(rows, dtype=torch.long)
-        ks = torch.tensor([rows_k[j] for j in sel], dtype=torch.long)  # [S] CPU
-        active = torch.arange(len(sel))  # [S_j] positions in sel of the rows drafting at this step
+        ks = [rows_k[j] for j in sel]
+        active = list(range(len(sel)))  # positions in sel of the rows drafting at this step
+        whole = len(sel) == b  # every row drafts: index the batch by slices, not by gathers
+        idx, step_rows = sel_t, torch.tensor(rows, dtype=torch.long)
         d = torch.zeros(0, dtype=torch.long, device=self.device)
         for step in range(kmax):
             if step > 0:
                 # Step j runs only the rows still drafting (k > j): a row's k decides what its drafts cost.
-                still = ks[active] > step  # [S_{j-1}] which of last step's rows go on
-                active, d = active[still], d[still.to(self.device)]
-                step_logits = self.draft.forward_cached(d[:, None], self.d_cache, rows_cpu[active])
-            idx = sel_t[active.to(self.device)]  # [S_j] positions in the batch
-            q = process_logits(step_logits, temps[idx], top_p[idx])[:, 0]  # [S_j, V]
-            d = sample(q, self.gen)  # [S_j]
-            tokens[idx, step] = d
-            probs[idx, step] = q
+                still = [a for a, pos in enumerate(active) if ks[pos] > step]  # of last step's rows, those going on
+                if len(still) < len(active):  # some rows stopped: narrow the step (uniform k never does)
+                    whole = False
+                    active = [active[a] for a in still]
+                    d = d[torch.tensor(still, device=self.device)]
+                    idx = sel_t[torch.tensor(active, device=self.device)]  # [S_j] positions in the batch
+                    step_rows = torch.tensor([rows[a] for a in active], dtype=torch.long)
+                step_logits = self.draft.forward_cached(d[:, None], self.d_cache, step_rows)
+            if whole:
+                q = process_logits(step_logits, temps, top_p)[:, 0]  # [B, V]
+                d = sample(q, self.gen)  # [B]
+                tokens[:, step] = d
+                probs[:, step] = q
+            else:
+                q = process_logits(step_logits, temps[idx], top_p[idx])[:, 0]  # [S_j, V]
+                d = sample(q, self.gen)  # [S_j]
+                tokens[idx, step] = d
+                probs[idx, step] = q
         return tokens, probs
 
     def _append(self, s: _Row, new: list[int]) -> int:
