@@ -389,16 +389,11 @@ class SpecEngine:
                     idx = sel_t[torch.tensor(active, device=self.device)]  # [S_j] positions in the batch
                     step_rows = torch.tensor([rows[a] for a in active], dtype=torch.long)
                 step_logits = self.draft.forward_cached(d[:, None], self.d_cache, step_rows)
-            if whole:
-                q = process_logits(step_logits, temps, top_p)[:, 0]  # [B, V]
-                d = sample(q, self.gen)  # [B]
-                tokens[:, step] = d
-                probs[:, step] = q
-            else:
-                q = process_logits(step_logits, temps[idx], top_p[idx])[:, 0]  # [S_j, V]
-                d = sample(q, self.gen)  # [S_j]
-                tokens[idx, step] = d
-                probs[idx, step] = q
+            at: slice | torch.Tensor = slice(None) if whole else idx  # a slice writes in place, a gather copies
+            q = process_logits(step_logits, temps[at], top_p[at])[:, 0]  # [S_j, V]
+            d = sample(q, self.gen)  # [S_j]
+            tokens[at, step] = d
+            probs[at, step] = q
         return tokens, probs
 
     def _append(self, s: _Row, new: list[int]) -> int:

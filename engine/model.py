@@ -456,11 +456,7 @@ class Transformer(nn.Module):
         starts = cache.lengths[rows]  # [R] CPU: each row's new token goes to position starts[r]
         starts_l = starts.tolist()
         end = max(starts_l) + 1
-        if end > cache.capacity:
-            raise CacheCapacityError(
-                f"a row would reach {end} positions but the cache holds {cache.capacity}; "
-                "raise the engine's max_context or shorten the request"
-            )
+        _check_capacity(end, cache)
         dtype = self.embed.weight.dtype
         mask = None
         if min(starts_l) != end - 1:  # rows of different lengths: hide each row's keys past its own position
@@ -503,11 +499,7 @@ class Transformer(nn.Module):
         starts = cache.lengths[rows]  # [R] CPU
         new_lens = starts + real_lens
         end = int(new_lens.max())
-        if end > cache.capacity:
-            raise CacheCapacityError(
-                f"a row would reach {end} positions but the cache holds {cache.capacity}; "
-                "raise the engine's max_context or shorten the request"
-            )
+        _check_capacity(end, cache)
         steps = torch.arange(t)[None, :]  # [1, T]
         pos_cpu = starts[:, None] + steps  # [R, T]
         pad = steps >= real_lens[:, None]  # [R, T]
@@ -548,3 +540,12 @@ class Transformer(nn.Module):
 
 class CacheCapacityError(ValueError):
     """A request would grow past the preallocated cache."""
+
+
+def _check_capacity(end: int, cache: KVCache) -> None:
+    """Refuse a forward after which a row would hold ``end`` positions, more than ``cache`` has."""
+    if end > cache.capacity:
+        raise CacheCapacityError(
+            f"a row would reach {end} positions but the cache holds {cache.capacity}; "
+            "raise the engine's max_context or shorten the request"
+        )
