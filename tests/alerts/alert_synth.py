@@ -6,6 +6,8 @@ so a row's accepted count is ``min(Geometric - 1, k)``; cost windows carry logno
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from telemetry.records import AcceptanceWindow, CostWindow, Stat
@@ -50,4 +52,28 @@ def positional_hists(rng: np.random.Generator, n: int, rows: int, k: int, cond: 
     acc = np.cumprod(kept, axis=2).sum(axis=2)  # [n, rows] drafts kept before the first rejection
     counts = np.zeros((n, k + 1), dtype=np.int64)
     np.add.at(counts, (np.repeat(np.arange(n), rows), acc.ravel()), 1)
+    return counts
+
+
+def request_hists(rng: np.random.Generator, n: int, rounds: int, k: int, slots: int,
+                  alpha_of_request: Callable[[np.random.Generator, int], float],
+                  lifetime: tuple[int, int] = (20, 60)) -> np.ndarray:
+    """``[n, k + 1]`` histograms of windows of ``rounds`` rounds where rows come from requests, as on an engine.
+
+    ``slots`` requests decode at a time, one row per round each; a finished request is replaced at once. Every
+    request draws its own acceptance ``alpha_of_request(rng, window)`` (the i.i.d. model within the request)
+    and lives a uniform number of rows in ``lifetime``. Rows of one request share its alpha: what makes a
+    bucket's level at low load swing with whichever requests are decoding, with nothing changing.
+    """
+    counts = np.zeros((n, k + 1), dtype=np.int64)
+    alpha = [alpha_of_request(rng, 0) for _ in range(slots)]
+    left = [int(rng.integers(*lifetime)) for _ in range(slots)]
+    for w in range(n):
+        for _ in range(rounds):
+            for s in range(slots):
+                acc = min(int(rng.geometric(1.0 - alpha[s])) - 1, k)
+                counts[w, acc] += 1
+                left[s] -= 1
+                if left[s] == 0:
+                    alpha[s], left[s] = alpha_of_request(rng, w), int(rng.integers(*lifetime))
     return counts

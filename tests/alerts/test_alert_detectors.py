@@ -7,11 +7,20 @@ delay in rounds is the delay in rows; a denser bucket is caught proportionally s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from alert_synth import acceptance_hists, acceptance_rate, acceptance_window, cost_window, positional_hists
 
-from controller.service.alerts import AlertConfig, AlertManager, DetectorSpec, MonitorConfig, estimate_change_point
+from controller.service.alerts import (
+    ACCEPTANCE_MONITOR,
+    AlertConfig,
+    AlertManager,
+    DetectorSpec,
+    MonitorConfig,
+    estimate_change_point,
+)
 from telemetry.alerts import ACCEPTANCE_DRIFT, COST_DRIFT, FIRST_DRAFT_STATISTIC, Alert
 
 K = 4
@@ -53,15 +62,31 @@ def _acceptance_delay(seed: int, drop: float, m: AlertManager | None = None) -> 
     return None, None
 
 
-def test_a_drop_of_010_is_caught_within_300_rounds() -> None:
+def _delays(drop: float, confirm: bool) -> list[int]:
+    acceptance = ACCEPTANCE_MONITOR if confirm else replace(ACCEPTANCE_MONITOR, confirm_windows=0)
     delays = []
     for seed in range(20):
-        d, _ = _acceptance_delay(100 + seed, 0.10)
+        d, _ = _acceptance_delay(100 + seed, drop, AlertManager(AlertConfig(acceptance=acceptance, first_draft=None)))
         assert d is not None and d > 0, f"seed {seed}: missed, or a false alarm before the change"
         delays.append(d)
+    return delays
+
+
+def test_a_drop_of_010_is_detected_within_300_rounds() -> None:
+    """The detector alone (no confirmation across windows)."""
+    delays = _delays(0.10, confirm=False)
     # Measured: median 275, p90 382, max 400 rounds at one row of the bucket per round.
     assert float(np.median(delays)) <= 300, delays
     assert max(delays) <= 600, delays
+
+
+def test_a_drop_of_010_is_confirmed_within_450_rounds() -> None:
+    """The sidecar's default: every detection is held 12 windows and tested against the level's swings. At one
+    row per round and ten rounds per window that is 120 rows more; a test that is not yet clear looks again."""
+    delays = _delays(0.10, confirm=True)
+    # Measured: median 395, max 520 rounds; none missed.
+    assert float(np.median(delays)) <= 450, delays
+    assert max(delays) <= 700, delays
 
 
 def test_a_drop_alert_says_what_moved_where_and_when() -> None:

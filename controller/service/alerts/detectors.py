@@ -27,6 +27,10 @@ rows, seed 11) raised 1 alarm: about 1 per 10^6 windows of 8 rows, at the issue'
 per window for denser windows. ``delta=1e-4`` trades ~50 more rows of delay for fewer; ``spectune bench drift``
 is where to settle it on the real mix.
 
+Those figures are for i.i.d. rows. An engine's rows come in requests that each keep their own acceptance, so the
+manager's acceptance monitors confirm every detection across windows before it is raised (:class:`BucketMonitor`,
+:func:`stretch_z`); the delays above grow by the confirmation's windows.
+
 Acceptance across k (the manager's first-draft monitor): one sample per row, 1 if its first draft was accepted,
 else 0, pooled over every k of the bucket. ``delta=1e-4``: it adds almost no false alarms to the per-k monitors
 and is there for drifts that come with a change of k, which are large where a policy moves k because of them.
@@ -48,10 +52,11 @@ from typing import Any
 
 import numpy as np
 from river import drift
+from scipy import stats
 
 __all__ = [
     "BOUNDED_DETECTORS", "DETECTORS", "BucketMonitor", "Change", "ChangeDetector", "DetectorSpec",
-    "RiverDetector", "estimate_change_point", "make_detector",
+    "RiverDetector", "estimate_change_point", "make_detector", "stretch_z",
 ]
 
 
@@ -157,7 +162,11 @@ def estimate_change_point(values: np.ndarray) -> int:
 
 @dataclass(frozen=True)
 class Change:
-    """What a monitor reports when its detector fires: the statistic's mean either side of the change point."""
+    """What a monitor reports when its detector fires: the statistic's mean either side of the change point.
+
+    ``confirmed`` False: a monitor that confirms changes across windows (``confirm_windows``) found the shift
+    did not hold; the level was left where it was and the caller should not raise it.
+    """
 
     before: float
     before_count: int
@@ -165,27 +174,102 @@ class Change:
     after_count: int
     change_at: float  # time of the first sample after the estimated change point
     detected_at: float
+    confirmed: bool = True
+    z: float | None = None  # the confirmation's statistic (:func:`stretch_z`), when the change was tested
+
+
+MIN_REFERENCE_STRETCHES = 4  # stretches of the level before a change that a confirmation compares against
+CONFIRM_TESTS = 4  # a held detection is tested after every confirm_windows windows, at most this many times
+
+
+def stretch_z(before: np.ndarray, after: np.ndarray, stretch: int) -> float | None:
+    """How far the level after a change lies from the level before it, in units of the level's own swings.
+
+    ``before`` is cut, newest first, into consecutive stretches of ``stretch`` windows (shorter when it cannot
+    hold :data:`MIN_REFERENCE_STRETCHES` of them: shorter stretches swing more, so that errs towards no alert).
+    Each stretch's mean is one draw of what the level does over that time scale, and stretches are taken as
+    independent of each other (a stretch outlasts the requests in it). ``after`` spans ``len(after) / stretch``
+    such stretches. The statistic is ``|mean(after) - mean(before)|`` over the standard deviation of stretch
+    means times ``sqrt(1 / stretches after + 1 / stretches before)``: a two-sample t statistic whose unit is a
+    stretch, not a row. So the bucket's own history sets the yardstick: a bucket whose level swings with
+    whichever requests are decoding has wide stretches, and a shift as large as its usual swings is not a change.
+
+    Args:
+        before: ``[W_b, 2]`` per window (rows, sum of the statistic), oldest first.
+        after: ``[W_a, 2]`` the same for the windows after the change point.
+        stretch: windows per stretch.
+    Returns:
+        The statistic as a normal deviate (below), or None when ``before`` holds fewer than
+        :data:`MIN_REFERENCE_STRETCHES` stretches or ``after`` has no rows.
+    """
+    w = min(stretch, len(before) // MIN_REFERENCE_STRETCHES)
+    if w < 1 or len(after) == 0 or after[:, 0].sum() <= 0:
+        return None
+    n = len(before) // w
+    blocks = before[len(before) - n * w:].reshape(n, w, 2).sum(axis=1)  # [n, 2] rows and sums per stretch
+    blocks = blocks[blocks[:, 0] > 0]
+    if len(blocks) < MIN_REFERENCE_STRETCHES:
+        return None
+    means = blocks[:, 1] / blocks[:, 0]  # [n']
+    level = float(before[:, 1].sum() / before[:, 0].sum())
+    sd = float(means.std(ddof=1)) * math.sqrt(w / len(after) + 1.0 / len(means))
+    shift = abs(float(after[:, 1].sum() / after[:, 0].sum()) - level)
+    if sd <= 0:
+        return math.inf if shift > 0 else 0.0
+    # A few stretches estimate their spread loosely: the t statistic's tail with n' - 1 degrees of freedom, told
+    # as the normal deviate of the same tail, so one threshold means one false-alarm chance at any history length.
+    return float(stats.norm.isf(stats.t.sf(shift / sd, df=len(means) - 1)))
 
 
 class BucketMonitor:
     """One bucket's detector, with what is needed to describe a change once it fires.
 
-    Keeps the last ``history`` samples (and their times) to locate the change point, and the count and sum of
-    every sample since the last change for the level before it. After a detection the level "before" restarts at
+    Keeps the last ``history`` samples (their times and windows) to locate the change point, and the count and sum
+    of every sample since the last change for the level before it. After a change the level "before" restarts at
     the samples after the change point, so the next change is measured against the new level.
+
+    **Confirmation across windows** (``confirm_windows`` > 0). The detector takes samples as independent; rows
+    of one request are not (a request the draft predicts perfectly yields dozens of rows at 1.0), and at low load
+    a bucket's level for a second or two is whichever one or two requests are decoding. Rows recorded from the xl
+    engine at a steady load (4, then 16; static k=3; 0.25 s windows; 6 minutes where nothing changed), replayed
+    without a cool-down: ADWIN on rows raised 32-40 "changes" per seed. So a detection is held until
+    ``confirm_windows`` more windows have arrived; then the change point is located again, and the windows after
+    it are compared with stretches of ``confirm_windows`` windows before it (:func:`stretch_z`, a t test whose
+    unit is a stretch): the change is confirmed when the statistic reaches ``confirm_z``. A shift that was one
+    request passing through has faded by then or is as large as the bucket's usual swings; a new level holds.
+    A shift between half the threshold and the threshold stays held and is tested again after every
+    ``confirm_windows`` windows (up to :data:`CONFIRM_TESTS` tests): a real change clears the threshold as the
+    windows after it add up, while a passing request fades. An unconfirmed detection leaves the level as it was
+    and rebuilds the detector from the kept samples of the level, so a real change that was not yet clear is
+    detected and tested again. The reference needs :data:`MIN_REFERENCE_STRETCHES` stretches of windows, so a
+    bucket counts as young by windows, not rows, and a machine slowed by contention (fewer rows per window)
+    reaches it as soon as an idle one. Detections while one is held are absorbed into it.
 
     Args:
         spec: the detector.
         history: samples kept to locate the change point (well above the detection delay).
         transform: applied to each sample before the detector sees it (cost: log); the reported statistic is
             the sample itself.
+        confirm_windows: windows a detection is held before the test across windows (0: report at once).
+        confirm_z: the test's threshold (a normal deviate, see :func:`stretch_z`).
+        window_history: per-window (rows, sum) kept for the test's reference stretches.
     """
 
-    def __init__(self, spec: DetectorSpec, history: int, transform: Callable[[float], float] | None = None) -> None:
+    def __init__(self, spec: DetectorSpec, history: int, transform: Callable[[float], float] | None = None,
+                 confirm_windows: int = 0, confirm_z: float = 4.0, window_history: int = 512) -> None:
+        if confirm_windows < 0 or confirm_z <= 0 or window_history < 2:
+            raise ValueError("confirm_windows must be >= 0, confirm_z > 0 and window_history >= 2")
+        self._spec = spec
         self._detector = make_detector(spec)
         self._transform = transform
+        self._confirm_windows, self._confirm_z = confirm_windows, confirm_z
         self._values: deque[float] = deque(maxlen=history)
         self._times: deque[float] = deque(maxlen=history)
+        self._windows: deque[int] = deque(maxlen=history)  # which add() call each kept sample came in
+        self._window = 0  # add() calls so far
+        self._per_window: deque[tuple[int, int, float]] = deque(maxlen=window_history)  # (window, rows, sum)
+        self._level_since = 1  # first window of the current level
+        self._held: int | None = None  # windows since a detection that awaits confirmation
         self._count = 0  # samples since the last change
         self._sum = 0.0
         self.samples = 0  # samples ever
@@ -200,21 +284,53 @@ class BucketMonitor:
         return (self._sum / self._count if self._count else 0.0), self._count
 
     def add(self, samples: Sequence[float], at: float) -> Change | None:
-        """Feed ``samples`` (one window's, all stamped ``at``); the first change they reveal, if any."""
+        """Feed ``samples`` (one window's, all stamped ``at``); the change they reveal or confirm, if any."""
         change: Change | None = None
+        fired_here = False
+        self._window += 1
         for x in samples:
             y = self._transform(x) if self._transform is not None else x
             fired = self._detector.update(y)
             self._values.append(x)
             self._times.append(at)
+            self._windows.append(self._window)
             self._count += 1
             self._sum += x
             self.samples += 1
-            if fired and change is None:
-                change = self._describe(at)
+            if fired and not fired_here and self._held is None:
+                fired_here = True
+                if self._confirm_windows:
+                    self._held = 0
+                else:
+                    change = self._describe(at)
+        if samples:
+            self._per_window.append((self._window, len(samples), float(sum(samples))))
+        if self._held is not None and not fired_here and samples:
+            self._held += 1
+            if self._held % self._confirm_windows == 0:
+                change = self._describe(at, test=True)
+                undecided = change is not None and change.z is not None and change.z >= self._confirm_z / 2
+                if change is None or change.confirmed or not undecided or (
+                        self._held >= CONFIRM_TESTS * self._confirm_windows):
+                    self._held = None
+                    if change is None or not change.confirmed:
+                        self._rebuild()
+                else:  # a shift that holds but is not yet clear of the usual swings: look again later
+                    change = None
         return change
 
-    def _describe(self, at: float) -> Change | None:
+    def _rebuild(self) -> None:
+        """After an unconfirmed detection: a fresh detector fed the kept samples of the current level.
+
+        The detector dropped the level before its detection when it fired; without this, a real change that was
+        not yet clear at its test would be the detector's new normal and never be reported.
+        """
+        self._detector = make_detector(self._spec)
+        n = min(len(self._values), self._count)
+        for x in list(self._values)[len(self._values) - n:]:
+            self._detector.update(self._transform(x) if self._transform is not None else x)
+
+    def _describe(self, at: float, test: bool = False) -> Change | None:
         n = min(len(self._values), self._count)  # the change is looked for since the last one only
         if n < 2:
             return None
@@ -224,7 +340,16 @@ class BucketMonitor:
         after_sum = float(values[j:].sum())
         before_count = self._count - after_count
         before = (self._sum - after_sum) / before_count
+        first_after = self._windows[len(self._windows) - n + j]  # the window the change point lies in
+        z = None
+        if test:
+            kept = np.array([(w, c, x) for w, c, x in self._per_window if w >= self._level_since])  # [W, 3]
+            after = kept[:, 0] >= first_after
+            z = stretch_z(kept[~after, 1:], kept[after, 1:], self._confirm_windows)
         change = Change(before=before, before_count=before_count, after=after_sum / after_count,
-                        after_count=after_count, change_at=self._times[len(self._times) - n + j], detected_at=at)
-        self._count, self._sum = after_count, after_sum  # the new level
+                        after_count=after_count, change_at=self._times[len(self._times) - n + j], detected_at=at,
+                        confirmed=not test or (z is not None and z >= self._confirm_z), z=z)
+        if change.confirmed:
+            self._count, self._sum = after_count, after_sum  # the new level
+            self._level_since = first_after
         return change
