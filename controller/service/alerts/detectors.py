@@ -303,20 +303,21 @@ class BucketMonitor:
                     self._held = 0
                 else:
                     change = self._describe(at)
-        if samples:
-            self._per_window.append((self._window, len(samples), float(sum(samples))))
-        if self._held is not None and not fired_here and samples:
-            self._held += 1
-            if self._held % self._confirm_windows == 0:
-                change = self._describe(at, test=True)
-                undecided = change is not None and change.z is not None and change.z >= self._confirm_z / 2
-                if change is None or change.confirmed or not undecided or (
-                        self._held >= CONFIRM_TESTS * self._confirm_windows):
-                    self._held = None
-                    if change is None or not change.confirmed:
-                        self._rebuild()
-                else:  # a shift that holds but is not yet clear of the usual swings: look again later
-                    change = None
+        if not samples:
+            return change
+        self._per_window.append((self._window, len(samples), float(sum(samples))))
+        if self._held is None or fired_here:
+            return change
+        self._held += 1
+        if self._held % self._confirm_windows:
+            return None
+        change = self._describe(at, test=True)
+        if (change is not None and not change.confirmed and change.z is not None
+                and change.z >= self._confirm_z / 2 and self._held < CONFIRM_TESTS * self._confirm_windows):
+            return None  # a shift that holds but is not yet clear of the usual swings: look again later
+        self._held = None
+        if change is None or not change.confirmed:
+            self._rebuild()
         return change
 
     def _rebuild(self) -> None:
