@@ -54,6 +54,10 @@ from policies.base import Decision, DecisionKind, Policy, Window
 from telemetry.records import AcceptanceWindow, Bucket, CostWindow
 
 MIN_TYPE_WEIGHT = 0.02  # a type absent from the recent mix still gets a say (it is being asked about)
+# With start_k, a choice is adopted once the cell holds this much cost evidence at its largest k (a window of r
+# rounds counts r / (r + 10), after its slowest round is set aside: 0.9 is two windows of ten rounds, or six of
+# three): one 250 ms window of a few rounds moves by +-15% on a 2-core machine.
+ADOPT_WINDOWS = 0.9
 TRIM_FROM_ROUNDS = 4  # cost windows of at least this many rounds drop their slowest round (see _observe)
 # Kinds that serve something other than the incumbent, to measure it.
 EXPLORING_KINDS = frozenset({DecisionKind.EXPLORE, DecisionKind.PROBE, DecisionKind.PROBE_OFF, DecisionKind.REPROBE})
@@ -301,6 +305,11 @@ class GoodputPolicy(Policy):
         cur = self._incumbent(cell, est)
         return bool(est.g_mean.max() > est.g_mean[est.index(cur)] * (1.0 + self._margin(max(cur), max(est.best))))
 
+    def _established(self, est: _Estimate, ks: tuple[int, ...], cell: _Cell) -> bool:
+        """The cell served the joint choice ``ks`` and holds ``ADOPT_WINDOWS`` of cost evidence at its largest k."""
+        bb, ctx = est.bucket.batch_bucket, est.bucket.context_bucket
+        return _joint(est.types, ks) in cell.tried and self._cost.evidence(bb, ctx, max(ks)) >= ADOPT_WINDOWS
+
     def _first(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
         """A type without an incumbent: every type of the cell adopts the posterior mean's best."""
         if all(t in cell.incumbent for t in est.types):
@@ -338,9 +347,9 @@ class GoodputPolicy(Policy):
         """
         if not self._beats_incumbent(cell, est):
             return None
-        if self.start_k is not None and _joint(est.types, est.best) not in cell.tried:
-            # Conservative: the cell measures a choice before adopting it; the next decision switches only if the
-            # measurement kept it ahead.
+        if self.start_k is not None and not self._established(est, est.best, cell):
+            # Conservative: the cell measures a choice before adopting it, until it holds ADOPT_WINDOWS of
+            # evidence; each later decision serves it again only while the measurements keep it ahead.
             return _CellDecision(DecisionKind.PROBE, est.best, "measure before switching")
         cell.incumbent.update(zip(est.types, est.best, strict=True))
         cell.hold = self.hold_decisions
@@ -388,7 +397,8 @@ class GoodputPolicy(Policy):
         only = next(iter(seen))
         if only == 0:
             alt = est.best_on
-        elif not self._cost.k0_measured():  # the jump at k > 0 is identified by measuring k = 0 once
+        elif not self._cost.k0_measured() and self.start_k is None:  # the jump at k > 0: measure k = 0 once
+            # (with start_k the jump is measured where it matters, by the probe before turning a cell off)
             alt = 0
         else:  # a second k > 0 identifies the slope without paying a catch-up
             alt = only + 2 if only + 2 <= self.k_max else max(1, only - 2)

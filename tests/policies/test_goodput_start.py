@@ -60,7 +60,10 @@ def test_a_better_choice_is_measured_once_before_it_is_adopted() -> None:
     # The mean prefers k = 4, which this cell never served: it is served once, to measure it, not adopted.
     assert (probe.k, probe.kind, probe.exploring) == (4, DecisionKind.PROBE, True)
     assert p.decide(CELL, explore=False).k == 2  # the incumbent is still 2
-    p.observe(_cost(4, 4, 0.0102))  # measured: as cheap as predicted
+    p.observe(_cost(4, 4, 0.0102))  # measured as cheap as predicted, but one window of 10 rounds is half a window
+    again = p.decide(CELL)  # of evidence: served again, still not adopted
+    assert (again.k, again.kind) == (4, DecisionKind.PROBE) and p.decide(CELL, explore=False).k == 2
+    p.observe(_cost(4, 4, 0.0102))
     d = p.decide(CELL)
     assert (d.k, d.kind) == (4, DecisionKind.SWITCH)
     assert p.decide(CELL, explore=False).k == 4
@@ -87,6 +90,7 @@ def test_the_measured_choices_survive_a_snapshot() -> None:
     p.observe(_cost(4, 2, 0.0101))
     assert p.decide(CELL).kind is DecisionKind.PROBE
     p.observe(_cost(4, 4, 0.0102))
+    p.observe(_cost(4, 4, 0.0102))
     q = GoodputPolicy(k_max=4, seed=0, start_k=2, hold_decisions=0)
     q.restore(p.snapshot())
     assert q.decide(CELL).kind is DecisionKind.SWITCH  # not probed again: the restored cell remembers it measured 4
@@ -96,3 +100,18 @@ def test_the_measured_choices_survive_a_snapshot() -> None:
 def test_start_k_outside_the_bounds_is_refused(bad: int) -> None:
     with pytest.raises(ValueError, match="start_k"):
         GoodputPolicy(k_max=4, start_k=bad)
+
+
+def test_with_start_k_the_first_cost_probe_is_not_speculation_off() -> None:
+    # A cell beyond every measured batch is probed at a second k; without start_k, while k = 0 was never measured
+    # anywhere, that probe is k = 0 (a whole decision with speculation off); with start_k it is another k > 0.
+    def probed(start_k: int | None) -> int:
+        p = GoodputPolicy(k_max=4, seed=0, start_k=start_k)
+        p.observe(_acc(2, (10, 20, 70)))
+        p.observe(_cost(4, 2, 0.0101))  # the only cell, seen at k = 2 only
+        d = p.decide(CELL)  # the first decision, then the cost probe that overrides it
+        assert d.kind is DecisionKind.PROBE and d.reason.startswith("cost probe")
+        return d.k
+
+    assert probed(None) == 0
+    assert probed(2) == 4
