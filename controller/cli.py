@@ -83,9 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="spectune")
     p.add_argument("--policy", default="goodput", help="policy name (see policies.REGISTRY)")
     p.add_argument("--k-max", type=int, default=8)
-    p.add_argument("--start-k", type=int, default=None,
-                   help="goodput: the static k the engines ran before (their num_speculative_tokens); every new "
-                        "cell starts there and moves only to ks it has measured (default: the prior's guess)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="0 picks a free port")
@@ -272,12 +269,6 @@ def _sidecar(args: argparse.Namespace) -> int:
 
     if args.policy not in REGISTRY:
         raise CLIError(f"unknown policy {args.policy!r}; choose one of: {', '.join(sorted(REGISTRY))}")
-    policy_args: dict[str, Any] = {"k_max": args.k_max, "seed": args.seed}
-    if args.start_k is not None:
-        if args.policy != "goodput":
-            raise CLIError(f"--start-k is a goodput option; policy {args.policy!r} does not take it")
-        policy_args["start_k"] = args.start_k
-    policy = REGISTRY[args.policy](**policy_args)  # ValueError: a bad hyper-parameter, said before anything starts
     if args.alert_webhook is not None and not args.alerts:
         raise CLIError("--alert-webhook needs alerts on; drop --no-alerts")
     webhook = WebhookConfig(args.alert_webhook) if args.alert_webhook else None  # ValueError: a bad URL, said early
@@ -301,7 +292,7 @@ def _sidecar(args: argparse.Namespace) -> int:
     lease = None if lease_cfg is None else Lease(args.redis_url, RedisKeys(args.prefix).leader, lease_cfg)
     if lease is not None:
         publisher.fence(lease.key, lease.token)  # the engines' key is written only while this sidecar leads
-    sidecar = Sidecar(cfg, transport, store, policy, publisher,
+    sidecar = Sidecar(cfg, transport, store, REGISTRY[args.policy](k_max=args.k_max, seed=args.seed), publisher,
                       metrics, alerts=alerts, lease=lease)
     server = OperatorServer(sidecar, args.http_host, args.http_port).start()
     stop = threading.Event()

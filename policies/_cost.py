@@ -194,11 +194,6 @@ class CostModel:
     def ks_seen(self, batch_bucket: int, ctx: str) -> set[int]:
         return set(self._cell(batch_bucket, ctx))
 
-    def evidence(self, batch_bucket: int, ctx: str, k: int) -> float:
-        """Windows of evidence (each weighted by its rounds, decayed) the cell holds at largest k ``k``."""
-        agg = self._cell(batch_bucket, ctx).get(k)
-        return 0.0 if agg is None else agg.windows
-
     def _cells_with_slope(self) -> list[CostCell]:
         """Every cell measured at two or more k."""
         return [cell for cell, by_k in self._agg.items() if len(by_k) >= 2]

@@ -30,13 +30,6 @@ The decision for a cell is an ordered list of small rules, each ``(cell state, e
 the first that answers picks the ks the cell serves (first decision, hold, probe k = 0, switch, explore, keep
 the incumbent), then the measurement overrides run in order and may replace it (a cost probe, a re-probe after
 a long stretch off). Each answer carries a :class:`~policies.base.DecisionKind`.
-
-A deployment that already runs a static k (vLLM's ``num_speculative_tokens``, TensorRT-LLM's ``max_draft_len``)
-passes it as ``start_k``: every new cell then starts at that k for every type instead of at the prior's guess, and
-the mean may adopt a joint choice only once the cell has measured its largest k (until then that choice is served
-once, as a probe). The policy then moves off the k the deployment trusted on this cell's own measurements, never on
-an extrapolation alone: what a short run spends learning stays near what the static k would have made (the
-conservative-bandit idea of Wu et al. 2016, arXiv:1602.04282, in its simplest form).
 """
 
 from __future__ import annotations
@@ -54,10 +47,6 @@ from policies.base import Decision, DecisionKind, Policy, Window
 from telemetry.records import AcceptanceWindow, Bucket, CostWindow
 
 MIN_TYPE_WEIGHT = 0.02  # a type absent from the recent mix still gets a say (it is being asked about)
-# With start_k, a choice is adopted once the cell holds this much cost evidence at its largest k (a window of r
-# rounds counts r / (r + 10), after its slowest round is set aside: 0.9 is two windows of ten rounds, or six of
-# three): one 250 ms window of a few rounds moves by +-15% on a 2-core machine.
-ADOPT_WINDOWS = 0.9
 TRIM_FROM_ROUNDS = 4  # cost windows of at least this many rounds drop their slowest round (see _observe)
 # Kinds that serve something other than the incumbent, to measure it.
 EXPLORING_KINDS = frozenset({DecisionKind.EXPLORE, DecisionKind.PROBE, DecisionKind.PROBE_OFF, DecisionKind.REPROBE})
@@ -78,7 +67,6 @@ class _Cell:
     off: int = 0  # consecutive decisions that served speculation off
     probed: bool = False  # the cell's one cost probe has been served
     epoch: int = -1  # windows observed when ``served`` was chosen: one choice per cell per batch of windows
-    tried: set[tuple[tuple[str, int], ...]] = field(default_factory=set)  # joint choices served, (type, k) sorted
 
 
 @dataclass(frozen=True)
@@ -151,9 +139,6 @@ class GoodputPolicy(Policy):
             shared cost model). A cell beyond that range is probed once.
         packed: the engine verifies only the tokens each row drafted, so a row drafting less than the round's
             largest k saves its share (see the module docstring).
-        start_k: the deployment's static k before spectune, or None. Given, a new cell's first incumbent is
-            ``start_k`` for every type, and a switch to a joint choice whose largest k the cell never measured is
-            served once as a probe first (see the module docstring). None: the prior's best, switched on the mean.
         reopen_rows: after an acceptance drift (:meth:`~policies.base.Policy.reopen`) the bucket keeps at most this
             many rows of its old evidence: its Thompson draws widen and the new level outweighs the old in a few
             windows.
@@ -166,8 +151,7 @@ class GoodputPolicy(Policy):
                  prior_mean: float = 0.6, bucket_strength: float = 30.0, type_strength: float = 60.0,
                  version_strength: float = 10.0, acceptance_decay: float = 0.995, cost_prior_windows: float = 2.0,
                  refit_every: int = 16, slope_cells: int = 2, off_margin: float = 0.10,
-                 explore_radius: int = 2, packed: bool = True, reopen_rows: float = 10.0,
-                 start_k: int | None = None) -> None:
+                 explore_radius: int = 2, packed: bool = True, reopen_rows: float = 10.0) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
@@ -177,12 +161,10 @@ class GoodputPolicy(Policy):
             raise ValueError("switch_margin, off_margin, hold_decisions must be >= 0; probe_every, explore_radius >= 1")
         if reopen_rows < 0:
             raise ValueError(f"reopen_rows must be >= 0, got {reopen_rows}")
-        if start_k is not None and not 0 <= start_k <= k_max:
-            raise ValueError(f"start_k must be None or in [0, k_max={k_max}], got {start_k}")
         self.off_margin, self.explore_radius = off_margin, explore_radius
         self.objective, self.latency_p99_s = objective, latency_p99_s
         self.switch_margin, self.hold_decisions, self.probe_every = switch_margin, hold_decisions, probe_every
-        self.slope_cells, self.packed, self.reopen_rows, self.start_k = slope_cells, packed, reopen_rows, start_k
+        self.slope_cells, self.packed, self.reopen_rows = slope_cells, packed, reopen_rows
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every)
@@ -258,7 +240,7 @@ class GoodputPolicy(Policy):
             # quiet cell keeps its last k while the shared cost model moves with other cells' traffic.
             if cell is None:
                 cell = self._cells[key] = _Cell()
-            best = dict(zip(types, self._first_ks(combos[int(np.argmax(g_mean))]), strict=True))
+            best = dict(zip(types, (int(k) for k in combos[int(np.argmax(g_mean))]), strict=True))
             cell.incumbent.update({t: k for t, k in best.items() if t not in cell.incumbent})
             ks = cell.incumbent
             return Decision(k=int(ks[b.request_type]), expected_goodput=expected, reason="current best, no exploration",
@@ -280,11 +262,6 @@ class GoodputPolicy(Policy):
     def _serve(cell: _Cell, est: _Estimate, d: _CellDecision) -> None:
         cell.served = dict(zip(est.types, d.ks, strict=True))
         cell.kind, cell.reason = d.kind, d.reason
-        cell.tried.add(_joint(est.types, d.ks))
-
-    def _first_ks(self, best: np.ndarray) -> tuple[int, ...]:
-        """A new cell's first ks: ``start_k`` for every type when the deployment gave one, else the mean's best."""
-        return tuple(int(k) if self.start_k is None else self.start_k for k in best)
 
     @staticmethod
     def _result(cell: _Cell, rtype: str) -> Decision:
@@ -305,19 +282,12 @@ class GoodputPolicy(Policy):
         cur = self._incumbent(cell, est)
         return bool(est.g_mean.max() > est.g_mean[est.index(cur)] * (1.0 + self._margin(max(cur), max(est.best))))
 
-    def _established(self, est: _Estimate, ks: tuple[int, ...], cell: _Cell) -> bool:
-        """The cell served the joint choice ``ks`` and holds ``ADOPT_WINDOWS`` of cost evidence at its largest k."""
-        bb, ctx = est.bucket.batch_bucket, est.bucket.context_bucket
-        return _joint(est.types, ks) in cell.tried and self._cost.evidence(bb, ctx, max(ks)) >= ADOPT_WINDOWS
-
     def _first(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
         """A type without an incumbent: every type of the cell adopts the posterior mean's best."""
         if all(t in cell.incumbent for t in est.types):
             return None
-        ks, reason = self._first_ks(np.array(est.best)), "first decision"
-        if self.start_k is not None:
-            reason = f"first decision (start_k={self.start_k})"
-        elif max(ks) == 0 and self._cost.extrapolating(est.bucket.batch_bucket, est.bucket.context_bucket):
+        ks, reason = est.best, "first decision"
+        if max(ks) == 0 and self._cost.extrapolating(est.bucket.batch_bucket, est.bucket.context_bucket):
             # Off on an extrapolation alone is a guess; off is decided on this cell's measurements.
             ks, reason = est.shared(est.best_on), "first decision (on until measured)"
         cell.incumbent.update(zip(est.types, ks, strict=True))
@@ -347,10 +317,6 @@ class GoodputPolicy(Policy):
         """
         if not self._beats_incumbent(cell, est):
             return None
-        if self.start_k is not None and not self._established(est, est.best, cell):
-            # Conservative: the cell measures a choice before adopting it, until it holds ADOPT_WINDOWS of
-            # evidence; each later decision serves it again only while the measurements keep it ahead.
-            return _CellDecision(DecisionKind.PROBE, est.best, "measure before switching")
         cell.incumbent.update(zip(est.types, est.best, strict=True))
         cell.hold = self.hold_decisions
         if max(est.best) == 0:
@@ -397,8 +363,7 @@ class GoodputPolicy(Policy):
         only = next(iter(seen))
         if only == 0:
             alt = est.best_on
-        elif not self._cost.k0_measured() and self.start_k is None:  # the jump at k > 0: measure k = 0 once
-            # (with start_k the jump is measured where it matters, by the probe before turning a cell off)
+        elif not self._cost.k0_measured():  # the jump at k > 0 is identified by measuring k = 0 once
             alt = 0
         else:  # a second k > 0 identifies the slope without paying a catch-up
             alt = only + 2 if only + 2 <= self.k_max else max(1, only - 2)
@@ -423,7 +388,7 @@ class GoodputPolicy(Policy):
         cells = [{"target_version": t, "draft_version": d, "batch_bucket": bb, "context_bucket": ctx,
                   "incumbent": dict(c.incumbent), "served": dict(c.served), "kind": c.kind.value, "reason": c.reason,
                   "expected": {str(k): g for k, g in c.expected.items()}, "hold": c.hold, "off": c.off,
-                  "probed": c.probed, "epoch": c.epoch, "tried": [[list(p) for p in j] for j in sorted(c.tried)]}
+                  "probed": c.probed, "epoch": c.epoch}
                  for (t, d, bb, ctx), c in self._cells.items()]
         return {"acceptance": self._acc.get_state(), "cost": self._cost.get_state(), "cells": cells}
 
@@ -437,10 +402,4 @@ class GoodputPolicy(Policy):
                 incumbent={str(t): int(k) for t, k in r["incumbent"].items()},
                 served={str(t): int(k) for t, k in r["served"].items()}, kind=DecisionKind(r["kind"]),
                 reason=str(r["reason"]), expected={int(k): float(g) for k, g in r["expected"].items()},
-                hold=int(r["hold"]), off=int(r["off"]), probed=bool(r["probed"]), epoch=int(r["epoch"]),
-                tried={tuple((str(t), int(k)) for t, k in j) for j in r.get("tried", [])})
-
-
-def _joint(types: tuple[str, ...], ks: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
-    """A joint choice as sorted (type, k) pairs: comparable whatever types a later estimate lists."""
-    return tuple(sorted(zip(types, (int(k) for k in ks), strict=True)))
+                hold=int(r["hold"]), off=int(r["off"]), probed=bool(r["probed"]), epoch=int(r["epoch"]))

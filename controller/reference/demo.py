@@ -10,9 +10,7 @@ requests; load rising to a large batch and falling; long-context requests; a str
 drift: structured prompts switch to a second JSON schema with no version change, which the learned run's sidecar
 raises as an ``acceptance_drift`` naming structured; then the model update) is played:
 
-1. **learned**: k from the sidecar, which starts knowing nothing of the models or the machine and learns while the
-   workload runs. Its policy is given the static k as ``start_k`` (what a deployment replacing a static k would
-   configure): every new cell starts there and moves to another k only after measuring it;
+1. **learned**: k from the sidecar, which starts knowing nothing and learns while the workload runs;
 2. **static k** (``--static-k``, 3): one k for everything (what most deployments configure);
 3. **static sweep** (``--sweep-ks``, 2 4 6): the same with other ks; the best static k in hindsight is the best of
    these runs and run 2;
@@ -175,7 +173,7 @@ def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: P
     """
     from controller.service.alerts import AlertConfig, AlertManager, AlertSink, RedisStreamSink
     from controller.service.alerts.manager import ACCEPTANCE_MONITOR, FIRST_DRAFT_MONITOR
-    from policies import GoodputPolicy
+    from policies import REGISTRY
     from telemetry.alerts_store import AlertStore
 
     m = eng.models
@@ -209,8 +207,7 @@ def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: P
     sidecar = Sidecar(
         SidecarConfig(publish_every_windows=6, publish_every_s=0.5, warm_start_windows=0,
                       consumer=ConsumerConfig(consumer="demo", block_ms=50)),
-        transport, store, GoodputPolicy(k_max=cfg.k_max, seed=cfg.seed, start_k=cfg.static_k), publisher,
-        alerts=alerts)
+        transport, store, REGISTRY["goodput"](k_max=cfg.k_max, seed=cfg.seed), publisher, alerts=alerts)
     on_sidecar(sidecar)
     sidecar.start()
     try:

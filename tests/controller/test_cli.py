@@ -34,15 +34,6 @@ def test_unreachable_services_say_what_to_do(capsys: pytest.CaptureFixture[str],
     assert main(["policy", "pin", "*|*|*|*|*", "2", "--sidecar-url", "http://127.0.0.1:1"]) == 2
 
 
-def test_start_k_is_checked_before_anything_starts(capsys: pytest.CaptureFixture[str], sqlite_url: str) -> None:
-    # Both refusals come before Redis is asked for: the unreachable URL below is never reached.
-    base = ["sidecar", "--redis-url", "redis://127.0.0.1:1/0", "--db-url", sqlite_url]
-    assert main([*base, "--policy", "ucb", "--start-k", "3"]) == 2
-    assert "--start-k is a goodput option" in capsys.readouterr().err
-    assert main([*base, "--start-k", "9"]) == 2
-    assert "start_k must be None or in [0, k_max=8]" in capsys.readouterr().err
-
-
 def test_schema_out_of_date_names_the_upgrade_command(capsys: pytest.CaptureFixture[str], sqlite_url: str,
                                                       redis_url: str) -> None:
     assert main(["sidecar", "--db-url", sqlite_url, "--redis-url", redis_url]) == 2
