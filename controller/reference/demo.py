@@ -14,6 +14,13 @@ raises as an ``acceptance_drift`` naming structured; then the model update) is p
 2. **static k** (``--static-k``, 3): one k for everything (what most deployments configure);
 3. **static sweep** (``--sweep-ks``, 2 4 6): the same with other ks; the best static k in hindsight is the best of
    these runs and run 2;
+
+and before all of them a **static k** run more (``static k=3 (before)``): the machine's speed drifts over the
+minutes a demo takes (static k=3 three times in one process: 282, 300, 326 tokens/s, and 277, 317, 348 in another;
+in a third demo the runs slowed from 369 to 237), so the run played next to the learned one is the fair baseline.
+With static k played just before and just after it, the static k figure is the mean of the two (``static_bracket``
+in ``demo.json``) and a linear drift, either way, cancels out of learned / static k; the sweep and the hindsight
+run come later, and a drift moves them;
 4. **best per bucket (hindsight)**: for each (model version, batch bucket, context bucket), the k with the highest
    tokens/s measured in the runs before it, fixed for the whole run: the best a static table could have done with
    what those runs found.
@@ -243,7 +250,7 @@ def run_demo(cfg: DemoConfig) -> Path:
     static_ks = [cfg.static_k, *(k for k in dict.fromkeys(cfg.sweep_ks) if k != cfg.static_k)]
     console.print(f"[bold]spectune demo[/]: target {m.target_version} -> {m.target_v2_version} midway, draft "
                   f"{m.draft_version}, on {m.device.label}; {len(phases)} phases, {total:.0f}s per run, "
-                  f"{len(static_ks) + 2} runs")
+                  f"{len(static_ks) + 3} runs")
     columns = (TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn())
     live: list[Sidecar] = []
@@ -265,6 +272,11 @@ def run_demo(cfg: DemoConfig) -> Path:
 
             return cb
 
+        task = prog.add_task(f"static k={cfg.static_k} (before)", total=total, info="")
+        before = _live_run(cfg, eng, phases, run_dir, f"static k={cfg.static_k} (before)", progress_for(task),
+                           partial(_constant, cfg.static_k))[0]
+        prog.update(task, completed=total)
+
         task = prog.add_task("learned (sidecar, live)", total=total, info="")
         learned, sidecar = _live_run(cfg, eng, phases, run_dir, "learned", progress_for(task),
                                      on_sidecar=live.append)
@@ -284,8 +296,10 @@ def run_demo(cfg: DemoConfig) -> Path:
         prog.update(task, completed=total)
 
     best_k = max(statics, key=lambda k: statics[k].tokens())
-    shown = [learned, statics[cfg.static_k], *([statics[best_k]] if best_k != cfg.static_k else []), per_bucket]
-    result = demo_result(cfg, m.device.label, learned, statics, per_bucket)
+    result = demo_result(cfg, m.device.label, learned, statics, per_bucket, before)
+    best_k = int(result["best_static_k"])
+    shown = [learned, before, statics[cfg.static_k], *([statics[best_k]] if best_k != cfg.static_k else []),
+             per_bucket]
     r = result["ratios"]
     write_report(run_dir, cfg.static_k, phases, shown, sidecar, best, console, m.target_v2_version, {
         f"learned / static k={cfg.static_k}": r["learned_over_static"],
@@ -303,29 +317,42 @@ def _constant(k: int, _rtype: str, _batch: int, _ctx: int) -> int:
 
 
 def demo_result(cfg: DemoConfig, device: str, learned: RunLog, statics: dict[int, RunLog],
-                per_bucket: RunLog) -> dict[str, Any]:
+                per_bucket: RunLog, before: RunLog | None = None) -> dict[str, Any]:
     """What ``demo.json`` holds: tokens/s of every run and the three ratios the demo is judged by.
 
-    Every run plays the same phases for the same wall time, so ratios of tokens are ratios of tokens/s.
+    Every run plays the same phases for the same wall time, so ratios of tokens are ratios of tokens/s. ``before``
+    is the static k run played just before the learned run: the static k figure is then the mean of it and the
+    run just after (``static_bracket``), which cancels a linear drift of the machine's speed across the runs.
     """
     def tok_s(log: RunLog) -> float:
         return log.tokens() / max(log.wall_s, 1e-9)
 
-    best_k = max(statics, key=lambda k: statics[k].tokens())
+    def bracketed(k: int, f: Callable[[RunLog], float]) -> float:
+        return (f(before) + f(statics[k])) / 2 if before is not None and k == cfg.static_k else f(statics[k])
+
+    def n_tokens(log: RunLog) -> float:
+        return float(log.tokens())
+
+    static_tokens = {k: bracketed(k, n_tokens) for k in statics}
+    best_k = max(statics, key=lambda k: static_tokens[k])
     tokens = learned.tokens()
-    return {
+    out = {
         "profile": cfg.profile, "device": device, "time_scale": cfg.time_scale, "seed": cfg.seed,
         "static_k": cfg.static_k, "best_static_k": best_k,
-        "tok_s": {"learned": tok_s(learned), **{f"static k={k}": tok_s(v) for k, v in statics.items()},
+        "tok_s": {"learned": tok_s(learned), **{f"static k={k}": bracketed(k, tok_s) for k in statics},
                   "best per bucket (hindsight)": tok_s(per_bucket)},
-        "tokens": {"learned": tokens, **{f"static k={k}": v.tokens() for k, v in statics.items()},
+        "tokens": {"learned": tokens, **{f"static k={k}": v for k, v in static_tokens.items()},
                    "best per bucket (hindsight)": per_bucket.tokens()},
         "ratios": {
-            "learned_over_static": tokens / max(1, statics[cfg.static_k].tokens()),
-            "learned_over_best_static": tokens / max(1, statics[best_k].tokens()),
+            "learned_over_static": tokens / max(1.0, static_tokens[cfg.static_k]),
+            "learned_over_best_static": tokens / max(1.0, static_tokens[best_k]),
             "learned_over_best_per_bucket": tokens / max(1, per_bucket.tokens()),
         },
     }
+    if before is not None:
+        out["static_bracket"] = {"k": cfg.static_k, "before_tok_s": tok_s(before),
+                                 "after_tok_s": tok_s(statics[cfg.static_k])}
+    return out
 
 
 def _play_best(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: Path,

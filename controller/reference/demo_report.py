@@ -271,7 +271,9 @@ def write_report(run_dir: Path, static_k: int, phases: Sequence[Phase], logs: Se
         "# spectune demo",
         "",
         "The reference engine decoded the same mixed workload with k learned live by the sidecar (goodput "
-        f"policy, starting from nothing), with a static k={static_k} and other static ks (the best of them is the "
+        f"policy, starting from nothing), with a static k={static_k} (played just before and just after the learned "
+        "run; its figure is the mean of the two, so a drift of the machine's speed across the runs cancels) and "
+        "other static ks (the best of them is the "
         "best static k in hindsight), and with the best k per (model version, batch bucket, context bucket) "
         "measured in those runs (hindsight). Load rose to a large batch and fell, long-context requests arrived, "
         "and the target model was updated "

@@ -38,6 +38,13 @@ def test_quick_demo_writes_its_report(tmp_path: Path, checkpoints: Path, prompt_
     best = result["tokens"][f"static k={result['best_static_k']}"]
     assert result["ratios"]["learned_over_best_static"] == pytest.approx(result["tokens"]["learned"] / best)
     assert all(best >= v for name, v in result["tokens"].items() if name.startswith("static"))
+    # Static k is played just before and just after the learned run; its figure is the mean of the two.
+    bracket = result["static_bracket"]
+    assert bracket["k"] == 3 and bracket["before_tok_s"] > 0 and bracket["after_tok_s"] > 0
+    assert result["tok_s"]["static k=3"] == pytest.approx((bracket["before_tok_s"] + bracket["after_tok_s"]) / 2)
+    assert result["ratios"]["learned_over_static"] == pytest.approx(
+        result["tokens"]["learned"] / result["tokens"]["static k=3"])
+    assert "static k=3 (before)" in summary
     assert "learned / best static in hindsight" in out
 
 
@@ -103,3 +110,19 @@ def test_silent_drift_raises_an_acceptance_drift_naming_structured(
     assert any(a.direction == "down" and a.k in (3, None) for a in drifts), (
         [a.message for a in sidecar.recent_alerts], dict(sidecar.alerts.stats) if sidecar.alerts else None)
     assert all(a.detected_at >= log.started_at + steady.seconds for a in drifts)
+
+
+def test_static_k_is_the_mean_of_the_runs_around_the_learned_one() -> None:
+    # The machine speeds up from run to run: static k=3 makes 100 tokens before the learned run and 200 after it.
+    def log(name: str, tokens: int) -> RunLog:
+        rounds = [RoundLog(t=0.0, phase=0, target_version="target-v1", batch_size=4, max_context=100, max_k=3,
+                           emitted=tokens, wall_s=0.1)]
+        return RunLog(name, rounds=rounds, wall_s=1.0)
+
+    cfg = demo.DemoConfig(sweep_ks=(2,))
+    statics = {3: log("static k=3", 200), 2: log("static k=2", 160)}
+    r = demo.demo_result(cfg, "cpu", log("learned", 150), statics, log("hindsight", 300), log("before", 100))
+    assert r["tokens"]["static k=3"] == 150 and r["ratios"]["learned_over_static"] == pytest.approx(1.0)
+    assert r["best_static_k"] == 2  # 160 beats the bracketed 150, though the later k=3 run alone made 200
+    assert r["static_bracket"] == {"k": 3, "before_tok_s": 100.0, "after_tok_s": 200.0}
+    assert "static_bracket" not in demo.demo_result(cfg, "cpu", log("learned", 150), statics, log("h", 300))
