@@ -14,16 +14,16 @@ raises as an ``acceptance_drift`` naming structured; then the model update) is p
 2. **static k** (``--static-k``, 3): one k for everything (what most deployments configure);
 3. **static sweep** (``--sweep-ks``, 2 4 6): the same with other ks; the best static k in hindsight is the best of
    these runs and run 2;
-
-and before all of them a **static k** run more (``static k=3 (before)``): the machine's speed drifts over the
-minutes a demo takes (static k=3 three times in one process: 282, 300, 326 tokens/s, and 277, 317, 348 in another;
-in a third demo the runs slowed from 369 to 237), so the run played next to the learned one is the fair baseline.
-With static k played just before and just after it, the static k figure is the mean of the two (``static_bracket``
-in ``demo.json``) and a linear drift, either way, cancels out of learned / static k; the sweep and the hindsight
-run come later, and a drift moves them;
 4. **best per bucket (hindsight)**: for each (model version, batch bucket, context bucket), the k with the highest
    tokens/s measured in the runs before it, fixed for the whole run: the best a static table could have done with
    what those runs found.
+
+Before all of them a **static k** run more is played (``static k=3 (before)``): the machine's speed drifts over
+the minutes a demo takes (static k=3 three times in one process: 282, 300, 326 tokens/s, and 277, 317, 348 in
+another; in a third demo the runs slowed from 369 to 237), so the fair baseline is the run played next to the
+learned one. With static k played just before and just after it, the static k figure is the mean of the two
+(``static_bracket`` in ``demo.json``) and a linear drift, either way, cancels out of learned / static k; the sweep
+and the hindsight run come later, and a drift moves them.
 
 Tokens per second compare fairly because each phase lasts the same wall time in every run. The summary prints
 learned over static k, over the best static k and over the best per bucket, and writes them to ``demo.json``.
@@ -295,7 +295,6 @@ def run_demo(cfg: DemoConfig) -> Path:
         per_bucket = _play_best(cfg, eng, phases, run_dir, {c: k for c, (k, _) in best.items()}, progress_for(task))
         prog.update(task, completed=total)
 
-    best_k = max(statics, key=lambda k: statics[k].tokens())
     result = demo_result(cfg, m.device.label, learned, statics, per_bucket, before)
     best_k = int(result["best_static_k"])
     shown = [learned, before, statics[cfg.static_k], *([statics[best_k]] if best_k != cfg.static_k else []),
