@@ -9,8 +9,12 @@ shuffled order per repetition, so that every k sees the same rows, the same cont
 tokens/s of a k is its mean tokens emitted per round over its median round wall time.
 
 **Mixed cells** (batch 16 and 64, one third each of code, prose and structured): the same, with one k per request
-type. Verification is packed (the target's token-wise work is sum over rows of k + 1), so a batch can draft deep
-for structured rows while code rows run shallow or plain. The best uniform k is found by a sweep over
+type. Verification is packed (the target's token-wise work is sum over rows of k + 1; attention runs per
+contiguous run of rows with the same k), so a batch can draft deep for structured rows while code rows run
+shallow or plain. The rows sit in one block per type, as a scheduler that keeps a type's rows together would place
+them, and restart from their prompts every ``MIXED_SPAN`` tokens so that every probe sees the same short context.
+The final pair is measured again on rows with the types interleaved (``"interleaved"``), where attention and
+drafting cannot split by type. The best uniform k is found by a sweep over
 ``MIXED_GRID``; the best per-type triple by coordinate search over ``MIXED_GRID``^3 from it, on the same rows, where
 a probe's winner replaces the current triple only if it is still faster when the two are measured again side by
 side. The two winners are then measured again side by side (fresh interleaved rounds), and those figures are
@@ -43,6 +47,7 @@ REQUEST_TYPES = ("code", "prose", "structured")
 CONTEXTS = {"short": 128, "long": 1024}  # prompt bytes; the models train on windows of 256 and then 1024
 MIXED_GRID = (0, 1, 2, 3, 4, 6, 8)  # ks searched per request type in mixed cells
 MIXED = "mixed"  # request_type of a mixed cell
+MIXED_SPAN = 128  # new tokens a mixed cell's rows decode before they restart from their prompts (context 129-265)
 
 KConfig = dict[str, int]  # request type -> k for one measured configuration
 
@@ -97,7 +102,7 @@ class _Rows:
     """One engine filled with prompts, decoding round after round under configurations chosen by the caller."""
 
     def __init__(self, models: Any, mode: str, types: Sequence[str], ctx: str, max_new: int, seed: int,
-                 target: Any = None, version: str | None = None) -> None:
+                 target: Any = None, version: str | None = None, restart_every: int | None = None) -> None:
         from engine.corpus import held_out_prompts
         from engine.loop import EngineConfig, Request, SpecEngine
 
@@ -115,11 +120,18 @@ class _Rows:
             assert self.engine.submit(req), self.engine.rejected
         self.batch = len(types)
         self.k: KConfig = {}
+        # Rows go back to their prompts once one has generated this many tokens (None: never), so that every
+        # measured round sees the context the cell is named for, not one that grows while the cell runs.
+        self.restart_every = restart_every
 
     def policy(self, rtype: str, _b: int, _c: int) -> int:
         return self.k[rtype]
 
     def step(self, k: KConfig) -> Any:
+        eng = self.engine
+        if self.restart_every is not None and any(
+                s is not None and len(s.generated) >= self.restart_every for s in eng.slots):
+            eng.restart_active()
         self.k = k
         rec = self.engine.step(self.policy)
         assert rec is not None and rec.batch_size == self.batch, "a row finished during the measurement"
@@ -217,9 +229,11 @@ def _cell_json(profile: str, mode: str, rtype: str, bsz: int, ctx: str, m: dict[
     }
 
 
-def _mixed_types(bsz: int) -> list[str]:
-    """One third each of code, prose and structured, interleaved so every type spreads over the batch."""
-    return [REQUEST_TYPES[j % len(REQUEST_TYPES)] for j in range(bsz)]
+def _mixed_types(bsz: int, blocked: bool = True) -> list[str]:
+    """One third each of code, prose and structured: in blocks of one type (the batch rows of a scheduler that
+    keeps a type's rows together), or interleaved (every type spread over the batch, the engine's worst case)."""
+    mixed = [REQUEST_TYPES[j % len(REQUEST_TYPES)] for j in range(bsz)]
+    return sorted(mixed, key=REQUEST_TYPES.index) if blocked else mixed
 
 
 def coordinate_search(tok_s_of: Callable[[Sequence[KConfig], int], list[float]], start: KConfig, passes: int,
@@ -255,12 +269,8 @@ def coordinate_search(tok_s_of: Callable[[Sequence[KConfig], int], list[float]],
 def _run_mixed(models: Any, sec: Section, bsz: int, seed: int) -> dict[str, Any]:
     """A mixed cell: best uniform k vs the best per-type k triple on the same rows (see the module docstring)."""
     sweep_reps, probe_reps, final_reps = sec.mixed_reps
-    probes = sec.mixed_passes * len(REQUEST_TYPES) * (len(MIXED_GRID) - 1)
-    confirms = sec.mixed_passes * len(REQUEST_TYPES)  # at most one side-by-side confirmation per probe set
-    # Confirmations take probe_reps each: a fresh two-way comparison is unbiased, and the rows' caches (2,048
-    # positions, up to k + 1 tokens a round) leave no room for final_reps.
-    rounds = len(MIXED_GRID) * (1 + sweep_reps) + (probes + 2 * confirms) * probe_reps + 3 * final_reps + 2
-    rows = _Rows(models, "sample", _mixed_types(bsz), "short", rounds * (max(MIXED_GRID) + 1) + 8, seed)
+    room = MIXED_SPAN + max(K_VALUES) + 2  # rows restart from their prompts after MIXED_SPAN new tokens
+    rows = _Rows(models, "sample", _mixed_types(bsz), "short", room, seed, restart_every=MIXED_SPAN)
     rng = random.Random(seed)
     uniform = _uniform(MIXED_GRID)
     for c in uniform:  # warm-up, as in uniform cells
@@ -274,11 +284,20 @@ def _run_mixed(models: Any, sec: Section, bsz: int, seed: int) -> dict[str, Any]
 
     triple, search = coordinate_search(tok_s_of, dict.fromkeys(REQUEST_TYPES, best_uniform), sec.mixed_passes,
                                        probe_reps, probe_reps)
-    # Plain, the best uniform k and the best triple side by side: rows grow longer during the search, so only
-    # figures measured together compare (the sweep's are from shorter contexts).
+    # Plain, the best uniform k and the best triple side by side, fresh: only figures measured together compare.
     final = rows.measure([*_uniform([0, best_uniform]), triple], final_reps, rng)
     _release(rows)
     plain, uni_tok_s, per_type_tok_s = (_tok_s(m) for m in final)
+    # The same two on rows with the types interleaved: attention and drafting then cannot run per type on
+    # contiguous rows (see engine.model.attention_groups), so this is what per-type k is worth without a
+    # type-aware slot layout.
+    inter = _Rows(models, "sample", _mixed_types(bsz, blocked=False), "short", room, seed + 1,
+                  restart_every=MIXED_SPAN)
+    pair = [_uniform([best_uniform])[0], triple]
+    for c in pair:
+        inter.step(c)
+    inter_uni, inter_per_type = (_tok_s(m) for m in inter.measure(pair, final_reps, rng))
+    _release(inter)
     return {
         "profile": sec.profile,
         "mode": "sample",
@@ -300,6 +319,8 @@ def _run_mixed(models: Any, sec: Section, bsz: int, seed: int) -> dict[str, Any]
         "best_per_type_k": triple,
         "best_per_type_tok_s": round(per_type_tok_s, 2),
         "per_type_over_uniform": round(per_type_tok_s / uni_tok_s, 4),
+        "interleaved": {"best_uniform_tok_s": round(inter_uni, 2), "best_per_type_tok_s": round(inter_per_type, 2),
+                        "per_type_over_uniform": round(inter_per_type / inter_uni, 4)},
         "search": search,
     }
 
@@ -459,13 +480,14 @@ def print_table(doc: dict[str, Any]) -> None:
     Console().print(t)
     m = Table(title="mixed batches (one third each type): best uniform k vs best k per type, measured side by side")
     for col in ("profile", "batch", "plain tok/s", "uniform k", "uniform tok/s", "per-type k", "per-type tok/s",
-                "per-type ÷ uniform"):
+                "per-type ÷ uniform", "interleaved rows: ÷"):
         m.add_column(col, justify="right")
     for c in doc["cells"]:
         if c["request_type"] == MIXED:
             m.add_row(c["profile"], str(c["batch_size"]), f"{c['plain_tok_s']:.1f}", str(c["best_uniform_k"]),
                       f"{c['best_uniform_tok_s']:.1f}", _triple(c["best_per_type_k"]),
-                      f"{c['best_per_type_tok_s']:.1f}", f"{c['per_type_over_uniform']:.3f}")
+                      f"{c['best_per_type_tok_s']:.1f}", f"{c['per_type_over_uniform']:.3f}",
+                      f"{c['interleaved']['per_type_over_uniform']:.3f}" if "interleaved" in c else "-")
     if m.row_count:
         Console().print(m)
 

@@ -231,6 +231,22 @@ class SpecEngine:
         if live:
             self._prefill_target(live)
 
+    def restart_active(self) -> None:
+        """Send every active request back to the end of its prompt, keeping the prompt's cached keys.
+
+        What it generated is dropped and it decodes again from there (with fresh random draws when sampling).
+        Benchmarks use it to hold the context length still while they measure many rounds; the caches keep
+        their invariant (the target holds ``tokens[:-1]``, the draft a prefix of it).
+        """
+        for i, s in enumerate(self.slots):
+            if s is None:
+                continue
+            del s.tokens[s.prompt_len :]
+            s.generated.clear()
+            self.t_cache.rollback(i, s.prompt_len - 1)
+            self.d_cache.lengths[i] = min(int(self.d_cache.lengths[i]), s.prompt_len - 1)
+            s.draft_len = int(self.d_cache.lengths[i])
+
     @torch.no_grad()
     def step(self, policy: PolicyFn) -> RoundRecord | None:
         """Admit waiting requests, run one round, retire finished rows. None when there is nothing to do."""

@@ -1,10 +1,13 @@
-"""The mixed cells' coordinate search (``bench.engine.coordinate_search``) against scripted measurements."""
+"""The mixed cells: coordinate search (``bench.engine.coordinate_search``) against scripted measurements, the rows'
+layout, and restarts that hold the context still."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 
-from bench.engine import MIXED_GRID, REQUEST_TYPES, KConfig, coordinate_search
+from bench.engine import CONTEXTS, K_VALUES, MIXED_GRID, REQUEST_TYPES, KConfig, _mixed_types, _Rows, coordinate_search
+from engine.model import Transformer
 
 START: KConfig = dict.fromkeys(REQUEST_TYPES, 2)
 
@@ -51,3 +54,20 @@ def test_no_confirmation_when_the_current_triple_wins_its_probes() -> None:
     assert triple == START
     assert all(len(configs) == len(MIXED_GRID) for configs, _ in fake.calls)
     assert len(log) == 2 * len(REQUEST_TYPES) and not any("confirm" in step for step in log)
+
+
+def test_mixed_rows_sit_in_blocks_or_interleaved() -> None:
+    assert _mixed_types(7) == ["code"] * 3 + ["prose"] * 2 + ["structured"] * 2
+    assert _mixed_types(7, blocked=False) == ["code", "prose", "structured"] * 2 + ["code"]
+
+
+def test_rows_restart_so_the_context_stays_where_the_cell_says(pair: tuple[Transformer, Transformer]) -> None:
+    # 25 rounds at k = 4 would take a row 50-125 tokens past its prompt; restarting after 20 keeps every round's
+    # context within 20 + k + 1 of it, and the rows never finish (a finished row would fail the measurement).
+    models = SimpleNamespace(target=pair[0], draft=pair[1], target_version="t", draft_version="d")
+    rows = _Rows(models, "sample", _mixed_types(3), "short", 20 + max(K_VALUES) + 2, 0, restart_every=20)
+    prompt = CONTEXTS["short"] + 1  # BOS + prompt bytes
+    recs = [rows.step(dict.fromkeys(REQUEST_TYPES, 4)) for _ in range(25)]
+    assert max(r.max_context for r in recs) <= prompt + 20 + 4 + 1
+    assert min(r.max_context for r in recs[1:]) >= prompt
+    assert sum(r.max_context == prompt for r in recs[1:]) >= 2  # it did restart (more than once)

@@ -302,3 +302,26 @@ def test_mixed_per_row_k_sampling_preserves_target_distribution(pair) -> None:
     assert {row.k for row in rec.rows} == {0, 1, 2, 3, 4}
     assert rec.tokens_verified == sum(row.k + 1 for row in rec.rows)
     assert tv < 0.12
+
+
+def test_restart_active_decodes_the_same_tokens_again(pair) -> None:
+    # Greedy rows restarted from their prompts must produce what they produced the first time: the caches keep
+    # the prompt and hold nothing of the dropped tokens (a stale target or draft position would change them).
+    eng = SpecEngine(*pair, EngineConfig(max_batch=3, max_context=256, k_max=8), "t", "d")
+    for j, p in enumerate(PROMPTS[:3]):
+        assert eng.submit(Request(str(j), "code", p, 200, temperature=0.0))
+    ks = [3, 0, 5, 8, 1] * 3
+    first = []
+    for k in ks:
+        eng.step(lambda t, b, c, k=k: k)
+        first.append([list(s.generated) for s in eng.slots if s is not None])
+    eng.restart_active()
+    assert all(s is not None and s.generated == [] and len(s.tokens) == s.prompt_len for s in eng.slots)
+    again = []
+    for k in [6, 2, 0, 8, 4] * 3:  # another schedule: greedy output does not depend on k
+        eng.step(lambda t, b, c, k=k: k)
+        again.append([list(s.generated) for s in eng.slots if s is not None])
+    n = min(len(g) for g in again[-1] + first[-1])
+    assert n > 10
+    assert [g[:n] for g in again[-1]] == [g[:n] for g in first[-1]]
+    assert eng.t_cache.lengths.tolist() == [len(s.tokens) - 1 for s in eng.slots if s is not None]

@@ -7,7 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from engine import model as M
-from engine.model import MODEL_PRESETS, Linear, Transformer, apply_rope, rope_table
+from engine.model import (
+    MODEL_PRESETS,
+    AttentionGroup,
+    Linear,
+    Transformer,
+    apply_rope,
+    attention_groups,
+    rope_table,
+)
 
 
 def test_rope_rotates_first_and_second_half_pairs() -> None:
@@ -108,3 +116,45 @@ def test_inputs_below_the_crossover_take_blas_and_both_kernels_agree(
             x = torch.randn(tokens, 32)
             assert torch.allclose(lin(x), F.linear(x, lin.weight), atol=1e-5)
     assert seen == [t for t in (1, 2, 3, 9) if t >= crossover]
+
+
+def test_attention_groups_are_contiguous_runs_of_equal_token_count() -> None:
+    g = attention_groups([3, 3, 9, 9, 9, 1], [40, 42, 50, 51, 49, 30])
+    assert g == (AttentionGroup(0, 2, 3, 42), AttentionGroup(2, 5, 9, 51), AttentionGroup(5, 6, 1, 30))
+    assert attention_groups([4, 4, 4], [10, 11, 12]) is None  # one run: the padded attention is the same
+    assert attention_groups([1, 2, 1, 2, 1, 2], [5] * 6) is None  # interleaved: too many runs to split
+
+
+@pytest.mark.parametrize("max_groups", [0, 4])
+def test_grouped_attention_matches_the_full_forward(monkeypatch: pytest.MonkeyPatch, max_groups: int) -> None:
+    # Rows appending 3, 3, 7 and 1 tokens after prefixes of different lengths: attention per run of equal count
+    # (max_groups = 4) and one padded attention (0) both give each row the logits of a full forward, and the
+    # grouped one gives padded queries to no row.
+    monkeypatch.setattr(M, "MAX_ATTENTION_GROUPS", max_groups)
+    queries: list[int] = []
+    real_sdpa = M.F.scaled_dot_product_attention
+
+    def counting(q: torch.Tensor, *a: object, **kw: object) -> torch.Tensor:
+        queries.append(q.shape[0] * q.shape[2])
+        return real_sdpa(q, *a, **kw)  # type: ignore[arg-type]
+
+    torch.manual_seed(2)
+    m = Transformer(MODEL_PRESETS["tiny"]).double().eval()
+    seqs = [torch.randint(0, 256, (n,)) for n in (9, 12, 10, 15)]
+    new = [3, 3, 7, 1]
+    cache = m.new_cache(4, 32)
+    pre = [len(s) - n for s, n in zip(seqs, new, strict=True)]
+    buf = torch.zeros(4, max(pre), dtype=torch.long)
+    for r, (s, p) in enumerate(zip(seqs, pre, strict=True)):
+        buf[r, :p] = s[:p]
+    m.forward_cached(buf, cache, real_lens=torch.tensor(pre))
+    buf = torch.zeros(4, max(new), dtype=torch.long)
+    for r, (s, n) in enumerate(zip(seqs, new, strict=True)):
+        buf[r, :n] = s[-n:]
+    monkeypatch.setattr(M.F, "scaled_dot_product_attention", counting)
+    out = m.forward_cached(buf, cache, real_lens=torch.tensor(new))
+    monkeypatch.setattr(M.F, "scaled_dot_product_attention", real_sdpa)
+    for r, (s, n) in enumerate(zip(seqs, new, strict=True)):
+        assert torch.allclose(out[r, :n], m(s[None])[0, -n:].float(), atol=1e-5)
+    assert len(queries) == m.cfg.n_layers * (3 if max_groups else 1)
+    assert sum(queries) == m.cfg.n_layers * (sum(new) if max_groups else 4 * max(new))
