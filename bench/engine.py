@@ -11,10 +11,10 @@ tokens/s of a k is its mean tokens emitted per round over its median round wall 
 **Mixed cells** (batch 16 and 64, one third each of code, prose and structured): the same, with one k per request
 type. Verification is packed (the target's token-wise work is sum over rows of k + 1; attention runs per
 contiguous run of rows with the same k), so a batch can draft deep for structured rows while code rows run
-shallow or plain. The rows sit in one block per type, as a scheduler that keeps a type's rows together would place
-them, and restart from their prompts every ``MIXED_SPAN`` tokens so that every probe sees the same short context.
-The final pair is measured again on rows with the types interleaved (``"interleaved"``), where attention and
-drafting cannot split by type. The best uniform k is found by a sweep over
+shallow or plain. The rows sit in one block per type, as the engine's ``by_type`` slot layout places them, and
+restart from their prompts every ``MIXED_SPAN`` tokens so that every probe sees the same short context.
+The final pair is measured again on rows with the types interleaved (``"interleaved"``, the ``first_free``
+layout), where attention and drafting cannot split by type. The best uniform k is found by a sweep over
 ``MIXED_GRID``; the best per-type triple by coordinate search over ``MIXED_GRID``^3 from it, on the same rows, where
 a probe's winner replaces the current triple only if it is still faster when the two are measured again side by
 side. The two winners are then measured again side by side (fresh interleaved rounds), and those figures are
@@ -102,14 +102,15 @@ class _Rows:
     """One engine filled with prompts, decoding round after round under configurations chosen by the caller."""
 
     def __init__(self, models: Any, mode: str, types: Sequence[str], ctx: str, max_new: int, seed: int,
-                 target: Any = None, version: str | None = None, restart_every: int | None = None) -> None:
+                 target: Any = None, version: str | None = None, restart_every: int | None = None,
+                 slot_layout: str = "by_type") -> None:
         from engine.corpus import held_out_prompts
         from engine.loop import EngineConfig, Request, SpecEngine
 
         k_max = max(K_VALUES)
         prompt_len = CONTEXTS[ctx]
         cfg = EngineConfig(max_batch=len(types), max_context=prompt_len + max_new + 2 * k_max + 4, k_max=k_max,
-                           seed=seed)
+                           seed=seed, slot_layout=slot_layout)
         self.engine = SpecEngine(target if target is not None else models.target, models.draft, cfg,
                                  version or models.target_version, models.draft_version)
         temperature = 1.0 if mode == "sample" else 0.0
@@ -292,7 +293,7 @@ def _run_mixed(models: Any, sec: Section, bsz: int, seed: int) -> dict[str, Any]
     # contiguous rows (see engine.model.attention_groups), so this is what per-type k is worth without a
     # type-aware slot layout.
     inter = _Rows(models, "sample", _mixed_types(bsz, blocked=False), "short", room, seed + 1,
-                  restart_every=MIXED_SPAN)
+                  restart_every=MIXED_SPAN, slot_layout="first_free")
     pair = [_uniform([best_uniform])[0], triple]
     for c in pair:
         inter.step(c)

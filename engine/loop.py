@@ -31,6 +31,7 @@ from telemetry.records import MAX_DRAFT_LEN, RoundRecord, RowRecord
 
 PolicyFn = Callable[[str, int, int], int]  # (request type, batch size, context length) -> k, 0 = off
 CATCHUP_INLINE = 4  # draft catch-ups up to this many tokens ride in the first draft step; longer ones go first
+SLOT_LAYOUTS = ("by_type", "first_free")
 
 
 class RequestError(ValueError):
@@ -45,8 +46,14 @@ class EngineConfig:
     max_context: int = 2048  # cache positions per row (prompt + generated + one draft window)
     k_max: int = 8  # largest draft length a policy may ask for
     seed: int = 0  # the engine's own RNG for draft sampling and acceptance coins
+    # "by_type": a request goes to a free slot next to rows of its type, so that rows sharing a k sit in
+    # consecutive cache rows and attention and drafting run per run of them over views (see _place);
+    # "first_free": the lowest free slot (types interleave as they arrive).
+    slot_layout: str = "by_type"
 
     def __post_init__(self) -> None:
+        if self.slot_layout not in SLOT_LAYOUTS:
+            raise ValueError(f"slot_layout must be one of {', '.join(SLOT_LAYOUTS)}, got {self.slot_layout!r}")
         if self.max_batch <= 0:
             raise ValueError(f"max_batch must be positive, got {self.max_batch}")
         if not 0 <= self.k_max <= MAX_DRAFT_LEN:
@@ -331,7 +338,7 @@ class SpecEngine:
         new = []
         while self.waiting and None in self.slots:
             req = self.waiting.popleft()
-            i = self.slots.index(None)
+            i = self._place(req.request_type)
             toks = [BOS_ID, *req.prompt]
             self.slots[i] = _Row(req=req, tokens=toks, prompt_len=len(toks))
             self.t_cache.reset_row(i)
@@ -339,6 +346,44 @@ class SpecEngine:
             new.append(i)
         if new:
             self._prefill_target(new)
+
+    def _place(self, request_type: str) -> int:
+        """The free slot a new request of ``request_type`` takes.
+
+        ``by_type``: rows of one type grow as a block. Best is a slot touching a row of the type; then one whose
+        nearest live rows (left and right) are of the type rather than another; among slots near no row of the
+        type, the one farthest from any live row, which leaves a new type room to grow. Ties: the lowest slot.
+        Attention runs per run of consecutive cache rows with one token count (``engine.model.attention_groups``)
+        and a draft step over the rows still drafting reads views of such runs, so a batch whose types sit in
+        blocks pays for per-type k only on the rows that use it.
+        """
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        if self.cfg.slot_layout == "first_free" or len(free) == len(self.slots):
+            return free[0]
+        n = len(self.slots)
+        types = [None if s is None else s.req.request_type for s in self.slots]
+        left: list[int | None] = [None] * n  # nearest live slot to the left of each slot
+        right: list[int | None] = [None] * n
+        last: int | None = None
+        for i in range(n):
+            left[i] = last
+            if types[i] is not None:
+                last = i
+        last = None
+        for i in reversed(range(n)):
+            right[i] = last
+            if types[i] is not None:
+                last = i
+
+        def score(i: int) -> tuple[int, int, int, int]:
+            near = [j for j in (left[i], right[i]) if j is not None]
+            same = [j for j in near if types[j] == request_type]
+            touching = any(abs(j - i) == 1 for j in same)
+            dist = min((abs(j - i) for j in near), default=n)
+            room = -min(abs(j - i) for j in same) if same else dist
+            return (touching, len(same) - (len(near) - len(same)), room, -i)
+
+        return max(free, key=score)
 
     def _prefill_target(self, rows: list[int]) -> None:
         """Feed ``tokens[:-1]`` of each row into the target cache (ragged, one forward)."""

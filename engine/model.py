@@ -237,36 +237,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
-MAX_ATTENTION_GROUPS = 4  # more runs than this (rows of many different lengths, interleaved): one padded attention
+MAX_ATTENTION_GROUPS = 8  # more runs than this: one padded attention (gathering the rows' keys when scattered)
 
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Rows ``lo..hi-1`` of a forward (positions in its row order), each appending ``t`` tokens; the longest of
-    them holds ``end`` positions afterwards."""
+    """Rows ``lo..hi-1`` of a forward (positions in its row order) that sit in consecutive cache rows from
+    ``slot`` and each append ``t`` tokens; the longest of them holds ``end`` positions afterwards."""
 
     lo: int
     hi: int
+    slot: int
     t: int
     end: int
 
 
-def attention_groups(real_lens: list[int], new_lens: list[int]) -> tuple[AttentionGroup, ...] | None:
-    """Split a forward's rows into contiguous runs of equal new-token count, for attention without padding.
+def attention_groups(slots: list[int], real_lens: list[int], new_lens: list[int]) -> tuple[AttentionGroup, ...] | None:
+    """Split a forward's rows into runs of consecutive cache rows with equal new-token counts.
 
-    A run's queries are padded to its own count only. None when one run covers every row (nothing to gain) or
-    when there are more than ``MAX_ATTENTION_GROUPS`` runs: each group is one more attention call per layer, and
-    rows of many lengths interleaved (a prefill of ragged prompts) gain little from splitting.
+    Each run attends over a view of its cache rows (no gather) with its queries padded to its own count only.
+    None when one run covers every row in consecutive cache rows (the single attention is the same), or when
+    there are more than ``MAX_ATTENTION_GROUPS`` runs: each run is one more attention call per layer, and rows
+    of many lengths interleaved (a prefill of ragged prompts) gain little from splitting.
 
     Args:
-        real_lens: new tokens of each row, in the forward's row order.
+        slots: each row's cache row, in the forward's row order.
+        real_lens: new tokens of each row.
         new_lens: each row's length after the forward.
     """
     runs: list[AttentionGroup] = []
     lo = 0
-    for i in range(1, len(real_lens) + 1):
-        if i == len(real_lens) or real_lens[i] != real_lens[lo]:
-            runs.append(AttentionGroup(lo, i, real_lens[lo], max(new_lens[lo:i])))
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or real_lens[i] != real_lens[lo] or slots[i] != slots[i - 1] + 1:
+            runs.append(AttentionGroup(lo, i, slots[lo], real_lens[lo], max(new_lens[lo:i])))
             lo = i
     if len(runs) == 1 or len(runs) > MAX_ATTENTION_GROUPS:
         return None
@@ -279,10 +282,11 @@ class CachedAttention:
 
     Token-wise work (projections, MLP) runs on the ``N`` real tokens only (packed verification, as in a
     flattened-batch engine). Attention runs in a padded per-row ``[R, H, T, D]`` layout, once per **group**: a
-    contiguous run of rows with the same number of new tokens, padded to that number, not to the batch's ``T``
-    (see :func:`attention_groups`). Padded queries are not free: at batch 64 on the CPU, 9 queries a row instead
-    of 3 cost the xl target's attention 25-30% more at 300 cached positions (measured), so a batch whose
-    structured rows draft 8 while code rows draft 2 would pay for 9 queries on every row.
+    run of rows in consecutive cache rows with the same number of new tokens, over a view of those cache rows,
+    padded to that number, not to the batch's ``T`` (see :func:`attention_groups`). Padded queries are not free:
+    at batch 64 on the CPU, 9 queries a row instead of 3 cost the xl target's attention 25-30% more at 300
+    cached positions (measured), so a batch whose structured rows draft 8 while code rows draft 2 would pay for
+    9 queries on every row; and a gather of scattered rows' keys copies them before reading them.
     """
 
     cos: torch.Tensor  # [R, 1, T, D] rotary tables at each token's absolute position (see rope_table)
@@ -361,43 +365,23 @@ class Block(nn.Module):
         ck.view(-1, self.head_dim).index_copy_(0, ctx.flat, k.reshape(-1, self.head_dim))
         cv.view(-1, self.head_dim).index_copy_(0, ctx.flat, v.reshape(-1, self.head_dim))
         if ctx.groups is None:
-            y = self._attend(q, ck, cv, ctx, 0, r, ctx.attend_len, ctx.mask)  # [R, H, T, D]
+            if ctx.row_span is not None:  # the rows are a contiguous range of the cache: a view, no copy
+                lo, hi = ctx.row_span
+                k, v = ck[lo:hi, :, : ctx.attend_len], cv[lo:hi, :, : ctx.attend_len]
+            else:  # scattered rows in many runs: gather only the used prefix
+                k, v = ck[ctx.rows[:, 0], :, : ctx.attend_len], cv[ctx.rows[:, 0], :, : ctx.attend_len]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)  # [R, H, T, D]
             y_rt = y.transpose(1, 2).reshape(r, t, c)
-        else:  # one attention per run of rows with the same token count, each padded to its own count only
+        else:  # one attention per run, over a view of its cache rows, padded to its own token count only
             y_rt = x.new_zeros(r, t, c)
             for g in ctx.groups:
+                n, rows = g.hi - g.lo, slice(g.slot, g.slot + g.hi - g.lo)
                 mask = None if ctx.mask is None else ctx.mask[g.lo : g.hi, :, : g.t, : g.end]
-                y = self._attend(q[g.lo : g.hi, :, : g.t], ck, cv, ctx, g.lo, g.hi, g.end, mask)  # [n, H, t, D]
-                y_rt[g.lo : g.hi, : g.t] = y.transpose(1, 2).reshape(g.hi - g.lo, g.t, c)
+                y = F.scaled_dot_product_attention(  # [n, H, t, D]
+                    q[g.lo : g.hi, :, : g.t], ck[rows, :, : g.end], cv[rows, :, : g.end], attn_mask=mask
+                )
+                y_rt[g.lo : g.hi, : g.t] = y.transpose(1, 2).reshape(n, g.t, c)
         return self._mlp(x + self.wo(ctx.pack(y_rt)))  # attention output packed to [N, C]
-
-    @staticmethod
-    def _attend(
-        q: torch.Tensor,
-        ck: torch.Tensor,
-        cv: torch.Tensor,
-        ctx: CachedAttention,
-        lo: int,
-        hi: int,
-        end: int,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Attention of rows ``lo..hi-1`` of the forward over their cached keys ``0..end-1``.
-
-        Args:
-            q: ``[hi - lo, H, t, D]``.
-            ck, cv: the layer's cache, ``[B, H, L', D]``.
-            mask: ``[hi - lo, 1, t, end]`` or None.
-        Returns:
-            ``[hi - lo, H, t, D]``.
-        """
-        if ctx.row_span is not None:  # the rows are a contiguous range of the cache: a view, no copy
-            base = ctx.row_span[0]
-            k, v = ck[base + lo : base + hi, :, :end], cv[base + lo : base + hi, :, :end]
-        else:  # scattered rows (some slots empty or not drafting): gather only the used prefix
-            idx = ctx.rows[lo:hi, 0]
-            k, v = ck[idx, :, :end], cv[idx, :, :end]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class Transformer(nn.Module):
@@ -528,6 +512,7 @@ class Transformer(nn.Module):
         end = max(starts_l) + 1
         _check_capacity(end, cache)
         dtype = self.embed.weight.dtype
+        r = len(starts_l)
         mask = None
         if min(starts_l) != end - 1:  # rows of different lengths: hide each row's keys past its own position
             visible = torch.arange(end)[None, :] <= starts[:, None]  # [R, end]
@@ -546,6 +531,9 @@ class Transformer(nn.Module):
             row_span=span,
             padded_shape=(rows.shape[0], 1),
             real=None,
+            # Scattered rows (a draft step of the rows still drafting): one attention per run of consecutive
+            # cache rows, each over a view, rather than a gather of every row's keys.
+            groups=None if span is not None else attention_groups(rows.tolist(), [1] * r, (starts + 1).tolist()),
         )
         return ctx, starts + 1
 
@@ -566,6 +554,7 @@ class Transformer(nn.Module):
         r = rows.shape[0]
         if real_lens is None:
             real_lens = torch.full((r,), t, dtype=torch.long)
+        rows_l, lens_l = rows.tolist(), real_lens.tolist()
         starts = cache.lengths[rows]  # [R] CPU
         new_lens = starts + real_lens
         end = int(new_lens.max())
@@ -604,7 +593,7 @@ class Transformer(nn.Module):
             row_span=span,
             padded_shape=(r, t),
             real=real,
-            groups=attention_groups(real_lens.tolist(), new_lens.tolist()) if real is not None else None,
+            groups=None if span is not None and real is None else attention_groups(rows_l, lens_l, new_lens.tolist()),
         )
         return ctx, new_lens
 

@@ -325,3 +325,36 @@ def test_restart_active_decodes_the_same_tokens_again(pair) -> None:
     assert n > 10
     assert [g[:n] for g in again[-1]] == [g[:n] for g in first[-1]]
     assert eng.t_cache.lengths.tolist() == [len(s.tokens) - 1 for s in eng.slots if s is not None]
+
+
+def _slot_types(eng: SpecEngine) -> list[str | None]:
+    return [None if s is None else s.req.request_type for s in eng.slots]
+
+
+def _runs(types: list[str | None]) -> int:
+    live = [t for t in types if t is not None]
+    return sum(1 for j, t in enumerate(live) if j == 0 or live[j - 1] != t)
+
+
+@pytest.mark.parametrize("layout", ["by_type", "first_free"])
+def test_slots_keep_a_types_rows_together(pair, layout: str) -> None:
+    # Nine interleaved arrivals of three types fill nine slots: by type they form three blocks (three attention
+    # runs), first-free interleaves them (nine runs). A retired row's slot goes to a row of its own type.
+    eng = SpecEngine(*pair, EngineConfig(max_batch=9, max_context=128, k_max=4, slot_layout=layout), "t", "d")
+    for j in range(9):
+        assert eng.submit(Request(str(j), ["code", "prose", "structured"][j % 3], b"abc", 4 + j, temperature=0.0))
+    eng.step(lambda t, b, c: 0)
+    assert _runs(_slot_types(eng)) == (3 if layout == "by_type" else 9)
+    while eng.active == 9:  # the shortest request (4 new tokens, code) retires first
+        eng.step(lambda t, b, c: 0)
+    hole = _slot_types(eng).index(None)
+    assert eng.submit(Request("new", "code", b"xyz", 8, temperature=0.0))
+    eng.step(lambda t, b, c: 0)
+    assert _slot_types(eng)[hole] == "code"
+    if layout == "by_type":
+        assert _runs(_slot_types(eng)) == 3
+
+
+def test_bad_slot_layout_is_refused() -> None:
+    with pytest.raises(ValueError, match="slot_layout"):
+        EngineConfig(slot_layout="random")

@@ -118,11 +118,14 @@ def test_inputs_below_the_crossover_take_blas_and_both_kernels_agree(
     assert seen == [t for t in (1, 2, 3, 9) if t >= crossover]
 
 
-def test_attention_groups_are_contiguous_runs_of_equal_token_count() -> None:
-    g = attention_groups([3, 3, 9, 9, 9, 1], [40, 42, 50, 51, 49, 30])
-    assert g == (AttentionGroup(0, 2, 3, 42), AttentionGroup(2, 5, 9, 51), AttentionGroup(5, 6, 1, 30))
-    assert attention_groups([4, 4, 4], [10, 11, 12]) is None  # one run: the padded attention is the same
-    assert attention_groups([1, 2, 1, 2, 1, 2], [5] * 6) is None  # interleaved: too many runs to split
+def test_attention_groups_are_runs_of_consecutive_cache_rows_with_equal_token_count() -> None:
+    g = attention_groups([0, 1, 2, 3, 4, 5], [3, 3, 9, 9, 9, 1], [40, 42, 50, 51, 49, 30])
+    assert g == (AttentionGroup(0, 2, 0, 3, 42), AttentionGroup(2, 5, 2, 9, 51), AttentionGroup(5, 6, 5, 1, 30))
+    # A hole in the batch (cache row 3 empty) splits a run: each group must be a view of consecutive cache rows.
+    assert attention_groups([0, 1, 2, 4, 5], [1] * 5, [7] * 5) == (AttentionGroup(0, 3, 0, 1, 7),
+                                                                   AttentionGroup(3, 5, 4, 1, 7))
+    assert attention_groups([2, 3, 4], [4, 4, 4], [10, 11, 12]) is None  # one run: the single attention is the same
+    assert attention_groups(list(range(10)), [1, 2] * 5, [5] * 10) is None  # interleaved: too many runs to split
 
 
 @pytest.mark.parametrize("max_groups", [0, 4])
@@ -158,3 +161,38 @@ def test_grouped_attention_matches_the_full_forward(monkeypatch: pytest.MonkeyPa
         assert torch.allclose(out[r, :n], m(s[None])[0, -n:].float(), atol=1e-5)
     assert len(queries) == m.cfg.n_layers * (3 if max_groups else 1)
     assert sum(queries) == m.cfg.n_layers * (sum(new) if max_groups else 4 * max(new))
+
+
+@pytest.mark.parametrize("new", [[2, 2, 1, 3], [1, 1, 1, 1]])
+def test_scattered_rows_attend_over_views_of_their_runs(monkeypatch: pytest.MonkeyPatch, new: list[int]) -> None:
+    # Cache rows 0, 2, 3 and 5 of 6 (holes where requests retired): the forward splits at the holes and at
+    # token-count changes, reads each run's keys from a view (no gather), and every row gets its full-forward
+    # logits; the one-token path (all counts 1) splits at the holes only.
+    torch.manual_seed(3)
+    m = Transformer(MODEL_PRESETS["tiny"]).double().eval()
+    rows = torch.tensor([0, 2, 3, 5])
+    seqs = [torch.randint(0, 256, (n,)) for n in (8, 11, 9, 12)]
+    cache = m.new_cache(6, 32)
+    pre = [len(s) - n for s, n in zip(seqs, new, strict=True)]
+    buf = torch.zeros(4, max(pre), dtype=torch.long)
+    for r, (s, p) in enumerate(zip(seqs, pre, strict=True)):
+        buf[r, :p] = s[:p]
+    m.forward_cached(buf, cache, rows, torch.tensor(pre))
+    gathers: list[object] = []
+    real_index = torch.Tensor.__getitem__
+
+    def watching(self: torch.Tensor, idx: object) -> torch.Tensor:
+        if self is cache.k[0] and isinstance(idx, tuple) and isinstance(idx[0], torch.Tensor):
+            gathers.append(idx)
+        return real_index(self, idx)
+
+    monkeypatch.setattr(torch.Tensor, "__getitem__", watching)
+    buf = torch.zeros(4, max(new), dtype=torch.long)
+    for r, (s, n) in enumerate(zip(seqs, new, strict=True)):
+        buf[r, :n] = s[-n:]
+    out = m.forward_cached(buf, cache, rows, torch.tensor(new))
+    monkeypatch.undo()
+    assert gathers == []
+    for r, (s, n) in enumerate(zip(seqs, new, strict=True)):
+        assert torch.allclose(out[r, :n], m(s[None])[0, -n:].float(), atol=1e-5)
+    assert cache.lengths[rows].tolist() == [len(s) for s in seqs]
