@@ -103,6 +103,14 @@ class KVCache:
     def reset_row(self, row: int) -> None:
         self.lengths[row] = 0
 
+    def swap_rows(self, a: int, b: int) -> None:
+        """Exchange rows ``a`` and ``b`` (their cached positions and lengths): a row's slot is not its identity."""
+        n = int(max(self.lengths[a], self.lengths[b]))
+        if a != b and n > 0:
+            for t in self.k + self.v:
+                t[[a, b], :, :n] = t[[b, a], :, :n]  # the right side is a copy: a true exchange
+        self.lengths[[a, b]] = self.lengths[[b, a]]
+
     def rollback(self, row: int, length: int) -> None:
         """Truncate a row to ``length`` positions (stale entries are masked and later overwritten)."""
         if not 0 <= length <= int(self.lengths[row]):

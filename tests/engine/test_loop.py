@@ -336,7 +336,7 @@ def _runs(types: list[str | None]) -> int:
     return sum(1 for j, t in enumerate(live) if j == 0 or live[j - 1] != t)
 
 
-@pytest.mark.parametrize("layout", ["by_type", "first_free"])
+@pytest.mark.parametrize("layout", ["grouped", "first_free"])
 def test_slots_keep_a_types_rows_together(pair, layout: str) -> None:
     # Nine interleaved arrivals of three types fill nine slots: by type they form three blocks (three attention
     # runs), first-free interleaves them (nine runs). A retired row's slot goes to a row of its own type.
@@ -344,17 +344,53 @@ def test_slots_keep_a_types_rows_together(pair, layout: str) -> None:
     for j in range(9):
         assert eng.submit(Request(str(j), ["code", "prose", "structured"][j % 3], b"abc", 4 + j, temperature=0.0))
     eng.step(lambda t, b, c: 0)
-    assert _runs(_slot_types(eng)) == (3 if layout == "by_type" else 9)
+    assert _runs(_slot_types(eng)) == (3 if layout == "grouped" else 9)
     while eng.active == 9:  # the shortest request (4 new tokens, code) retires first
         eng.step(lambda t, b, c: 0)
     hole = _slot_types(eng).index(None)
     assert eng.submit(Request("new", "code", b"xyz", 8, temperature=0.0))
     eng.step(lambda t, b, c: 0)
     assert _slot_types(eng)[hole] == "code"
-    if layout == "by_type":
+    if layout == "grouped":
         assert _runs(_slot_types(eng)) == 3
 
 
 def test_bad_slot_layout_is_refused() -> None:
     with pytest.raises(ValueError, match="slot_layout"):
         EngineConfig(slot_layout="random")
+
+
+def test_rows_swap_slots_to_group_by_k_and_stay_exact(pair, plain, monkeypatch) -> None:
+    # A random k per row every round: the grouped layout swaps rows (and their caches) so that equal k sit
+    # together; greedy output must still equal plain decoding, and every round's k must form one run per
+    # distinct k over the live slots.
+    swaps = []
+    real_swap = SpecEngine._group_by_k
+
+    def counting(self: SpecEngine, live: list[int], ks: list[int]) -> list[int]:
+        before = [id(self.slots[i]) for i in live]
+        out = real_swap(self, live, ks)
+        swaps.append(sum(a != b for a, b in zip(before, [id(self.slots[i]) for i in live], strict=True)))
+        assert sum(1 for j in range(len(out)) if j == 0 or out[j] != out[j - 1]) == len(set(out))
+        return out
+
+    monkeypatch.setattr(SpecEngine, "_group_by_k", counting)
+    rng = random.Random(3)
+    out, _ = _run(pair, lambda t, b, c: rng.choice([0, 2, 8]), max_batch=4)  # a k per row, not per type
+    assert out == plain
+    assert sum(swaps) > 0, "rows never moved: the test did not exercise a swap"
+
+
+def test_swap_rows_exchanges_cached_positions() -> None:
+    torch.manual_seed(4)
+    m = Transformer(MODEL_PRESETS["tiny"]).double().eval()
+    cache = m.new_cache(3, 32)
+    a, b = torch.randint(0, 256, (1, 9)), torch.randint(0, 256, (1, 5))
+    m.forward_cached(a, cache, torch.tensor([0]))
+    m.forward_cached(b, cache, torch.tensor([2]))
+    cache.swap_rows(0, 2)
+    assert cache.lengths.tolist() == [5, 0, 9]
+    nxt = torch.randint(0, 256, (2, 1))
+    out = m.forward_cached(nxt, cache, torch.tensor([2, 0]))  # row 2 now holds a's prefix, row 0 b's
+    assert torch.allclose(out[0, 0], m(torch.cat([a, nxt[:1]], 1))[0, -1].float(), atol=1e-6)
+    assert torch.allclose(out[1, 0], m(torch.cat([b, nxt[1:]], 1))[0, -1].float(), atol=1e-6)
