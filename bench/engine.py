@@ -116,10 +116,10 @@ class _Rows:
         self.engine = SpecEngine(target if target is not None else models.target, models.draft, cfg,
                                  version or models.target_version, models.draft_version)
         temperature = 1.0 if mode == "sample" else 0.0
-        grouped = {t: iter(held_out_prompts(t, types.count(t), prompt_len, seed=seed + 17 * len(types)))
+        by_type = {t: iter(held_out_prompts(t, types.count(t), prompt_len, seed=seed + 17 * len(types)))
                    for t in set(types)}
         for j, t in enumerate(types):
-            req = Request(f"{t}-{j}", t, next(grouped[t]), max_new, temperature=temperature, stop_at_eos=False)
+            req = Request(f"{t}-{j}", t, next(by_type[t]), max_new, temperature=temperature, stop_at_eos=False)
             assert self.engine.submit(req), self.engine.rejected
         self.batch = len(types)
         self.k: KConfig = {}
@@ -144,7 +144,7 @@ class _Rows:
         """Each configuration ``reps`` times, in a shuffled order per repetition. Returns per-config totals."""
         out: list[dict[str, Any]] = [
             {"emitted": 0, "draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0, "contexts": [],
-             "round_wall": [], "hist": {}, "emitted_grouped": {}, "rows_grouped": {}}
+             "round_wall": [], "hist": {}, "emitted_by_type": {}, "rows_by_type": {}}
             for _ in configs
         ]
         for _ in range(reps):
@@ -163,8 +163,8 @@ class _Rows:
                 for row in rec.rows:
                     h = o["hist"].setdefault(row.request_type, [0] * (row.k + 1))
                     h[row.accepted] += 1
-                    o["emitted_grouped"][row.request_type] = o["emitted_grouped"].get(row.request_type, 0) + row.emitted
-                    o["rows_grouped"][row.request_type] = o["rows_grouped"].get(row.request_type, 0) + 1
+                    o["emitted_by_type"][row.request_type] = o["emitted_by_type"].get(row.request_type, 0) + row.emitted
+                    o["rows_by_type"][row.request_type] = o["rows_by_type"].get(row.request_type, 0) + 1
         return out
 
 
@@ -337,7 +337,7 @@ def _run_mixed(models: Any, sec: Section, bsz: int, seed: int) -> dict[str, Any]
         "best_k": best_uniform,
         "best_speedup": round(uni_tok_s / plain, 4),
         "per_type_speedup": round(per_type_tok_s / plain, 4),
-        "mean_accept_len": {t: round(final[2]["emitted_grouped"][t] / final[2]["rows_grouped"][t], 4)
+        "mean_accept_len": {t: round(final[2]["emitted_by_type"][t] / final[2]["rows_by_type"][t], 4)
                             for t in REQUEST_TYPES},
         "best_uniform_k": best_uniform,
         "best_uniform_tok_s": round(uni_tok_s, 2),

@@ -135,8 +135,8 @@ class Calibration:
         for t in self.types:
             for cx in self.contexts:
                 self._pmf[(BASE_VERSION, t, cx)] = _pmf_from_cond(_cond(hist[t][cx]), self.K)
-        for ver, grouped in data.get("version_acceptance", {}).items():
-            for t, hs in grouped.items():
+        for ver, by_type in data.get("version_acceptance", {}).items():
+            for t, hs in by_type.items():
                 h2 = np.zeros((self.K + 1, self.K + 1))
                 for k, h in hs.items():
                     h2[int(k), : len(h)] += h

@@ -128,19 +128,19 @@ def traffic_from_windows(acceptance: Sequence[AcceptanceWindow], cost: Sequence[
 
 def _pooled(succ: dict[Cell, float], tried: dict[Cell, float], rows: Counter[Cell]) -> dict[Cell, float]:
     """alpha per cell, falling back to its request type's, then to every cell's pooled acceptance."""
-    grouped_s: dict[str, float] = defaultdict(float)
-    grouped_n: dict[str, float] = defaultdict(float)
+    by_type_s: dict[str, float] = defaultdict(float)
+    by_type_n: dict[str, float] = defaultdict(float)
     for (rt, _), n in tried.items():
-        grouped_s[rt] += succ[(rt, _)]
-        grouped_n[rt] += n
+        by_type_s[rt] += succ[(rt, _)]
+        by_type_n[rt] += n
     all_n = sum(tried.values())
     glob = sum(succ.values()) / all_n if all_n else PRIOR_ALPHA
     out = {}
     for cell in rows:
         if tried.get(cell):
             out[cell] = succ[cell] / tried[cell]
-        elif grouped_n.get(cell[0]):
-            out[cell] = grouped_s[cell[0]] / grouped_n[cell[0]]
+        elif by_type_n.get(cell[0]):
+            out[cell] = by_type_s[cell[0]] / by_type_n[cell[0]]
         else:
             out[cell] = glob
     return out

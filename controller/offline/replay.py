@@ -413,8 +413,8 @@ class Replay:
         res = simulate(policy, self.cal, self.load.specs, window_s=self.window_s, seed=seed, noise=noise)
         chosen = []
         for ks in res.ks:
-            grouped = {parse_bucket_key(key)[2]: k for key, k in ks.items()}
-            chosen.append(tuple(grouped.get(rt, 0) for rt in self.load.types))
+            by_type = {parse_bucket_key(key)[2]: k for key, k in ks.items()}
+            chosen.append(tuple(by_type.get(rt, 0) for rt in self.load.types))
         return Score(res.tok_s, self._score(chosen).p99_s)
 
 

@@ -5,7 +5,7 @@ engine's policy function, ``hooks.record`` takes every :class:`~telemetry.record
 Redis (``--redis-url``) for a sidecar to consume; the table comes back through the same Redis.
 
 With ``status_path`` it appends one JSON line per ``status_every_s`` and on every policy version change:
-``{"t", "rounds", "tokens", "version", "k_grouped" (of the latest round), "fail_static", ...}``, and a final
+``{"t", "rounds", "tokens", "version", "k_by_type" (of the latest round), "fail_static", ...}``, and a final
 line with the emitter's counts (``"final": true``) when it stops (SIGTERM/SIGINT stop it cleanly, flushing
 telemetry first).
 """
@@ -96,14 +96,14 @@ class _Status:
         self._next = 0.0
         self._version: int | None = None
         self.rounds = self.tokens = 0
-        self.k_grouped: dict[str, int] = {}  # k per request type in the latest round (types absent from it omitted)
+        self.k_by_type: dict[str, int] = {}  # k per request type in the latest round (types absent from it omitted)
 
     def on_round(self, r: RoundRecord) -> None:
         self.rounds += 1
         self.tokens += r.emitted
         # The latest round only: a type absent from recent rounds must not report the k it had before a policy
         # change (a reader would take that stale k for a pin not applied).
-        self.k_grouped = {row.request_type: row.k for row in r.rows}
+        self.k_by_type = {row.request_type: row.k for row in r.rows}
         v = self._hooks.client.version
         now = time.monotonic()
         if v != self._version or now >= self._next:
@@ -116,7 +116,7 @@ class _Status:
             return
         st = self._hooks.client.status()
         line = {"t": time.time(), "rounds": self.rounds, "tokens": self.tokens, "version": st.version,
-                "k_grouped": dict(self.k_grouped), "fail_static": st.fail_static, "mode": st.mode,
+                "k_by_type": dict(self.k_by_type), "fail_static": st.fail_static, "mode": st.mode,
                 "rejected": st.rejected, "connected": st.connected, "applied_at": st.last_update_at,
                 **self._extra, **more}
         with self._path.open("a") as f:

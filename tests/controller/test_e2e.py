@@ -114,7 +114,7 @@ def test_engine_follows_pins_survives_the_sidecar_and_nothing_is_lost(procs: Pro
     assert line["applied_at"] - created <= PROPAGATION_BOUND_S, f"propagation {line['applied_at'] - created:.3f}s"
     after = wait_until(lambda: [x for x in status_lines(status) if x["rounds"] > line["rounds"] + 1], 30,
                        "rounds after the pin")
-    assert all(set(x["k_grouped"].values()) == {1} for x in after), after[-1]
+    assert all(set(x["k_by_type"].values()) == {1} for x in after), after[-1]
 
     # 3. kill the sidecar: the engine keeps decoding on its last policy
     sc1.send_signal(signal.SIGKILL)
@@ -125,7 +125,7 @@ def test_engine_follows_pins_survives_the_sidecar_and_nothing_is_lost(procs: Pro
     assert in_force >= pinned
     wait_until(lambda: status_lines(status)[-1]["rounds"] > at_kill["rounds"] + 3, 30, "decoding without a sidecar")
     last = status_lines(status)[-1]
-    assert last["version"] == in_force and set(last["k_grouped"].values()) == {1} and not last["fail_static"]
+    assert last["version"] == in_force and set(last["k_by_type"].values()) == {1} and not last["fail_static"]
 
     # 4. invalid tables pushed straight into Redis are rejected by the engine's client
     r = redis.Redis.from_url(procs.redis_url)
