@@ -383,7 +383,8 @@ class Block(nn.Module):
         else:  # one attention per run, over a view of its cache rows, padded to its own token count only
             y_rt = x.new_zeros(r, t, c)
             for g in ctx.groups:
-                n, rows = g.hi - g.lo, slice(g.slot, g.slot + g.hi - g.lo)
+                n = g.hi - g.lo
+                rows = slice(g.slot, g.slot + n)
                 mask = None if ctx.mask is None else ctx.mask[g.lo : g.hi, :, : g.t, : g.end]
                 y = F.scaled_dot_product_attention(  # [n, H, t, D]
                     q[g.lo : g.hi, :, : g.t], ck[rows, :, : g.end], cv[rows, :, : g.end], attn_mask=mask
