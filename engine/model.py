@@ -563,7 +563,6 @@ class Transformer(nn.Module):
         r = rows.shape[0]
         if real_lens is None:
             real_lens = torch.full((r,), t, dtype=torch.long)
-        rows_l, lens_l = rows.tolist(), real_lens.tolist()
         starts = cache.lengths[rows]  # [R] CPU
         new_lens = starts + real_lens
         end = int(new_lens.max())
@@ -592,6 +591,9 @@ class Transformer(nn.Module):
         real = None
         if bool(pad.any()):
             real = (~pad).reshape(-1).nonzero()[:, 0].to(dev, non_blocking=True)  # [N]
+        groups = None  # one padded attention over a view when the rows are contiguous and none is padded
+        if span is None or real is not None:
+            groups = attention_groups(rows.tolist(), real_lens.tolist(), new_lens.tolist())
         ctx = CachedAttention(
             cos=self.rope_cos[rp].to(dtype)[:, None],
             sin=self.rope_sin[rp].to(dtype)[:, None],
@@ -602,7 +604,7 @@ class Transformer(nn.Module):
             row_span=span,
             padded_shape=(r, t),
             real=real,
-            groups=None if span is not None and real is None else attention_groups(rows_l, lens_l, new_lens.tolist()),
+            groups=groups,
         )
         return ctx, new_lens
 
