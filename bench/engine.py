@@ -1,7 +1,7 @@
 """`spectune bench engine`: tokens/s of plain vs speculative decoding on the reference engine, side by side.
 
 Two profiles (``engine/profiles.py``): ``small`` (the trained 2.8M/0.4M pair) and ``xl`` (target-v1 widened 4x
-function-preservingly: the same acceptance at a 43M model's cost, 107x the draft).
+function-preservingly, grouped-query attention: the same acceptance at a 38M model's cost, 94x the draft).
 
 **Uniform cells** (one request type, batch size, context): one engine is filled with real held-out prompts of
 that type, prefilled once, and then decodes round after round with the draft length cycling through 0..8 in a
@@ -412,7 +412,7 @@ def _run_section(models: Any, sec: Section, seed: int, bar: Any) -> list[dict[st
 
 def _memory(models: Any, batch: int) -> dict[str, Any]:
     """Weights and KV cache of an engine at ``batch`` rows of the models' longest context (computed, not
-    allocated: xl's cache at batch 64 is 4.8 GB)."""
+    allocated: xl's cache at batch 64 is 1.2 GB)."""
     ctx = models.target.cfg.max_seq_len
     return {
         "batch_size": batch, "max_context": ctx,

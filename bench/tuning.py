@@ -9,7 +9,7 @@ Sections:
    stats). The records are generated from a seeded RNG in each engine's documented shape (the same shapes as the
    parser tests' fixtures under ``tests/offline/fixtures``), so every record yields a window. Median of
    ``--repeats`` runs; ``parse_records_per_s`` is the same run without a store (``--dry-run``).
-2. **record**: the reference engine (``--profile``, xl by default: target-v1 widened 4x, a 43M model's cost) decodes
+2. **record**: the reference engine (``--profile``, xl by default: target-v1 widened 4x, a 38M model's cost) decodes
    a mixed workload whose load cycles through batch 1, 4, 16, 48 and a long-context phase, every phase a few
    seconds, the cycle repeated so that the time split of ``tune`` (the last 30% held out) sees every phase. Its k
    per (request type, context bucket) is redrawn every ``EXPLORE_EVERY_S`` (:class:`Explorer`, so that every k is

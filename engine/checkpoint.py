@@ -57,7 +57,8 @@ def describe_profiles(checkpoint_config: dict[str, Any]) -> dict[str, dict[str, 
         out[p.target_version(TARGET_V1)] = {
             "profile": p.name,
             "derived_from": TARGET_V1,
-            "construction": f"Net2WiderNet widening x{p.widen} (engine/widen.py), built at load time, not shipped",
+            "construction": f"Net2WiderNet widening x{p.widen} (engine/widen.py): query heads repeated, key/value "
+            "heads shared (grouped-query attention); built at load time, not shipped",
             "same_function_as": TARGET_V1,
             "what_it_is": p.summary,
             "config": cfg.to_dict(),

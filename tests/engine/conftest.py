@@ -8,13 +8,15 @@ import torch
 from engine.model import MODEL_PRESETS, Transformer
 
 
-def make_pair(noise: float = 0.05, seed: int = 0, sharpen: float = 4.0) -> tuple[Transformer, Transformer]:
+def make_pair(
+    noise: float = 0.05, seed: int = 0, sharpen: float = 4.0, preset: str = "tiny"
+) -> tuple[Transformer, Transformer]:
     """A target and a draft that is a perturbed copy of it (so acceptance is neither 0 nor 1)."""
     torch.manual_seed(seed)
-    target = Transformer(MODEL_PRESETS["tiny"]).double()
+    target = Transformer(MODEL_PRESETS[preset]).double()
     with torch.no_grad():
         target.head.weight.mul_(sharpen)  # peakier distributions, like a trained model's
-    draft = Transformer(MODEL_PRESETS["tiny"]).double()
+    draft = Transformer(MODEL_PRESETS[preset]).double()
     draft.load_state_dict(target.state_dict())
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -23,6 +25,7 @@ def make_pair(noise: float = 0.05, seed: int = 0, sharpen: float = 4.0) -> tuple
     return target.eval(), draft.eval()
 
 
-@pytest.fixture(scope="session")
-def pair() -> tuple[Transformer, Transformer]:
-    return make_pair()
+@pytest.fixture(scope="session", params=["tiny", "tiny-gqa"])
+def pair(request: pytest.FixtureRequest) -> tuple[Transformer, Transformer]:
+    """Every loop test runs on a multi-head pair and on a grouped-query one (the xl target's attention)."""
+    return make_pair(preset=request.param)

@@ -342,13 +342,14 @@ def test_slots_keep_a_types_rows_together(pair, layout: str) -> None:
     # runs), first-free interleaves them (nine runs). A retired row's slot goes to a row of its own type.
     eng = SpecEngine(*pair, EngineConfig(max_batch=9, max_context=128, k_max=4, slot_layout=layout), "t", "d")
     for j in range(9):
-        assert eng.submit(Request(str(j), ["code", "prose", "structured"][j % 3], b"abc", 4 + j, temperature=0.0))
+        req = Request(str(j), ["code", "prose", "structured"][j % 3], b"abc", 4 + j, temperature=0.0, stop_at_eos=False)
+        assert eng.submit(req)
     eng.step(lambda t, b, c: 0)
     assert _runs(_slot_types(eng)) == (3 if layout == "grouped" else 9)
     while eng.active == 9:  # the shortest request (4 new tokens, code) retires first
         eng.step(lambda t, b, c: 0)
     hole = _slot_types(eng).index(None)
-    assert eng.submit(Request("new", "code", b"xyz", 8, temperature=0.0))
+    assert eng.submit(Request("new", "code", b"xyz", 8, temperature=0.0, stop_at_eos=False))
     eng.step(lambda t, b, c: 0)
     assert _slot_types(eng)[hole] == "code"
     if layout == "grouped":

@@ -31,12 +31,13 @@ def test_rope_rotates_first_and_second_half_pairs() -> None:
     assert torch.allclose(apply_rope(x, cos.double(), sin.double()), ref, atol=1e-6)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])
 @pytest.mark.parametrize("rows", [None, [2, 0], [1]])
-def test_one_token_step_matches_the_full_forward(rows: list[int] | None) -> None:
+def test_one_token_step_matches_the_full_forward(rows: list[int] | None, preset: str) -> None:
     # Rows of different lengths (the mask path), scattered rows (a gather) and a single row (no mask): the
     # one-token context must give each row the logits a full forward over its whole sequence gives.
     torch.manual_seed(2)
-    m = Transformer(MODEL_PRESETS["tiny"]).double().eval()
+    m = Transformer(MODEL_PRESETS[preset]).double().eval()
     lens = [7, 3, 5]
     seqs = [torch.randint(0, 256, (n + 1,)) for n in lens]  # each row's prefix plus the token the step appends
     cache = m.new_cache(3, 32)
@@ -163,13 +164,16 @@ def test_grouped_attention_matches_the_full_forward(monkeypatch: pytest.MonkeyPa
     assert sum(queries) == m.cfg.n_layers * (sum(new) if max_groups else 4 * max(new))
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])
 @pytest.mark.parametrize("new", [[2, 2, 1, 3], [1, 1, 1, 1]])
-def test_scattered_rows_attend_over_views_of_their_runs(monkeypatch: pytest.MonkeyPatch, new: list[int]) -> None:
+def test_scattered_rows_attend_over_views_of_their_runs(
+    monkeypatch: pytest.MonkeyPatch, new: list[int], preset: str
+) -> None:
     # Cache rows 0, 2, 3 and 5 of 6 (holes where requests retired): the forward splits at the holes and at
     # token-count changes, reads each run's keys from a view (no gather), and every row gets its full-forward
     # logits; the one-token path (all counts 1) splits at the holes only.
     torch.manual_seed(3)
-    m = Transformer(MODEL_PRESETS["tiny"]).double().eval()
+    m = Transformer(MODEL_PRESETS[preset]).double().eval()
     rows = torch.tensor([0, 2, 3, 5])
     seqs = [torch.randint(0, 256, (n,)) for n in (8, 11, 9, 12)]
     cache = m.new_cache(6, 32)
@@ -196,3 +200,19 @@ def test_scattered_rows_attend_over_views_of_their_runs(monkeypatch: pytest.Monk
     for r, (s, n) in enumerate(zip(seqs, new, strict=True)):
         assert torch.allclose(out[r, :n], m(s[None])[0, -n:].float(), atol=1e-5)
     assert cache.lengths[rows].tolist() == [len(s) for s in seqs]
+
+
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_query_attention_reads_each_kv_head_for_its_query_heads(t: int, masked: bool) -> None:
+    # 6 query heads over 2 key/value heads: query head h reads kv head h // 3, exactly as repeating every kv
+    # head 3 times (the multi-head model grouped-query attention stands for) would.
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 6, t, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, 11, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = None
+    if masked:  # rows see 11, 7 and 9 keys
+        visible = torch.arange(11)[None, :] < torch.tensor([11, 7, 9])[:, None]
+        mask = torch.zeros(3, 1, t, 11, dtype=torch.float64).masked_fill_(~visible[:, None, None], float("-inf"))
+    ref = M.F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
+    assert torch.allclose(M.grouped_attention(q, k, v, mask), ref, atol=1e-12)

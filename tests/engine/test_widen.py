@@ -7,21 +7,29 @@ import torch
 
 from engine.checkpoint import CHECKPOINT_DIR, DRAFT_V1, TARGET_V1, build_target, describe_profiles, load_checkpoint
 from engine.loop import EngineConfig, Request, SpecEngine
-from engine.model import MODEL_PRESETS, Transformer
+from engine.model import MODEL_PRESETS, ModelConfig, Transformer
 from engine.profiles import PROFILES, get_profile
 from engine.widen import widen, widen_state, widened_config
 
 
+@pytest.mark.parametrize("share_kv", [True, False])
 @pytest.mark.parametrize("r", [2, 3, 4])
-def test_widened_model_computes_the_same_function(r: int) -> None:
+def test_widened_model_computes_the_same_function(r: int, share_kv: bool) -> None:
     torch.manual_seed(0)
     m = Transformer(MODEL_PRESETS["tiny"]).double().eval()
-    wide = widen(m, r)
+    wide = widen(m, r, share_kv=share_kv)
     assert wide.cfg.d_model == r * m.cfg.d_model and wide.cfg.head_dim == m.cfg.head_dim
+    assert wide.cfg.n_heads == r * m.cfg.n_heads
+    assert wide.cfg.kv_heads == (m.cfg.n_heads if share_kv else r * m.cfg.n_heads)
+
     def linear_params(model: Transformer) -> int:
         return sum(x.weight.numel() for x in model.layers.modules() if isinstance(x, torch.nn.Linear))
 
-    assert linear_params(wide) == r * r * linear_params(m)  # the token-wise work of an r^2 larger model
+    c, n = m.cfg.d_model, m.cfg.n_layers
+    kv_proj = n * 2 * c * c  # the key and value projections: r times wider input, r times more heads unless shared
+    # The token-wise work of an r^2 larger model, but for the shared key/value heads' projections.
+    assert linear_params(wide) == r * r * linear_params(m) - (r * r - r if share_kv else 0) * kv_proj
+    assert wide.new_cache(2, 8).k[0].shape[1] == wide.cfg.kv_heads  # the cache holds key/value heads only
     toks = torch.randint(0, 258, (3, 40))
     with torch.no_grad():
         assert torch.allclose(wide(toks), m(toks), atol=1e-10)
@@ -44,13 +52,18 @@ def test_widen_state_is_pure_and_rejects_unknown_parameters() -> None:
         widen_state({"layers.0.wqkv.bias": torch.zeros(3)}, m.cfg, 2)
     with pytest.raises(ValueError):
         widened_config(m.cfg, 0)
+    with pytest.raises(ValueError, match="already groups"):
+        widened_config(MODEL_PRESETS["tiny-gqa"], 2)
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ModelConfig(n_layers=1, d_model=32, n_heads=4, ffn_hidden=8, n_kv_heads=3)
 
 
 def test_xl_profile_is_target_v1_widened_4x_with_its_predictions() -> None:
     base = load_checkpoint(TARGET_V1)
     xl = build_target(get_profile("xl"), TARGET_V1, CHECKPOINT_DIR, torch.float32)
-    assert (xl.cfg.n_layers, xl.cfg.d_model, xl.cfg.n_heads, xl.cfg.ffn_hidden) == (6, 768, 12, 2048)
-    assert 42e6 < xl.num_params() < 44e6
+    shape = (xl.cfg.n_layers, xl.cfg.d_model, xl.cfg.n_heads, xl.cfg.kv_heads, xl.cfg.ffn_hidden)
+    assert shape == (6, 768, 12, 3, 2048)
+    assert 37e6 < xl.num_params() < 38e6
     toks = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = float((xl(toks) - base(toks)).abs().max())
