@@ -639,8 +639,8 @@ class Transformer(nn.Module):
             mask = torch.zeros(visible.shape, dtype=dtype, device=dev).masked_fill_(~visible, float("-inf"))[:, None]
         # Flat write offsets into the cache viewed as [B * Hkv * (capacity + 1), D], shared by every layer.
         n_h, slots = self.cfg.kv_heads, cache.capacity + 1
-        heads = torch.arange(n_h)[None, :, None]  # [1, H, 1]
-        flat_cpu = (rows[:, None, None] * n_h + heads) * slots + write_cpu[:, None, :]  # [R, H, T]
+        heads = torch.arange(n_h)[None, :, None]  # [1, Hkv, 1]
+        flat_cpu = (rows[:, None, None] * n_h + heads) * slots + write_cpu[:, None, :]  # [R, Hkv, T]
         real = None
         if bool(pad.any()):
             real = (~pad).reshape(-1).nonzero()[:, 0].to(dev, non_blocking=True)  # [N]
