@@ -396,7 +396,7 @@ class SpecEngine:
         (``engine.model.attention_groups``); rows of one k scattered among others would make every run one row
         long. Blocks keep the order of their k's mean slot, so a layout that is grouped but for a newly admitted
         row (the usual case) costs that row one swap per block it must cross. A swap copies two rows' cached
-        positions in both caches (at batch 64 on the xl target, about 11 MB a row at 300 positions).
+        positions in both caches (on the xl pair, about 3 MB a row at 300 positions).
         """
         n = len(ks)
         runs = sum(1 for j in range(n) if j == 0 or ks[j] != ks[j - 1])

@@ -595,7 +595,7 @@ class Transformer(nn.Module):
             real=None,
             # Scattered rows (a draft step of the rows still drafting): one attention per run of consecutive
             # cache rows, each over a view, rather than a gather of every row's keys.
-            groups=None if span is not None else attention_groups(rows.tolist(), [1] * r, (starts + 1).tolist()),
+            groups=None if span is not None else attention_groups(rows.tolist(), [1] * r, [n + 1 for n in starts_l]),
         )
         return ctx, starts + 1
 

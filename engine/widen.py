@@ -105,5 +105,5 @@ def widen(model: Transformer, r: int, share_kv: bool = True) -> Transformer:
     wide = Transformer(widened_config(model.cfg, r, share_kv))
     wide = wide.to(dtype=p.dtype)
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    wide.load_state_dict(widen_state(state, model.cfg, r, share_kv and r > 1))
+    wide.load_state_dict(widen_state(state, model.cfg, r, share_kv))
     return wide.to(device=p.device, dtype=p.dtype).eval()
