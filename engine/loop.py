@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.model import BOS_ID, EOS_ID, CacheCapacityError, Transformer
-from engine.sampling import process_logits, rejection_sample, sample
+from engine.sampling import RowSampling, rejection_sample, sample
 from telemetry.records import MAX_DRAFT_LEN, RoundRecord, RowRecord
 
 PolicyFn = Callable[[str, int, int], int]  # (request type, batch size, context length) -> k, 0 = off
@@ -276,12 +276,13 @@ class SpecEngine:
             rows_k = self._group_by_k(live, rows_k)
         kmax = max(rows_k)
         k_t = torch.tensor(rows_k, dtype=torch.long)
-        temps = torch.tensor([self._row(i).req.temperature for i in live], device=self.device)
-        top_p = torch.tensor([self._row(i).req.top_p for i in live], device=self.device)
+        sampling = RowSampling.of(
+            [self._row(i).req.temperature for i in live], [self._row(i).req.top_p for i in live], self.device
+        )
         contexts = [len(self._row(i).tokens) for i in live]
         clock.mark()  # --- end of the round's set-up (other)
 
-        draft_tokens, draft_probs = self._draft(live, rows_k, kmax, temps, top_p)
+        draft_tokens, draft_probs = self._draft(live, rows_k, kmax, sampling)
         clock.mark()  # --- end of drafting
 
         # Verify: each row feeds its last token and its k drafts. The target's token-wise work runs on the
@@ -290,7 +291,7 @@ class SpecEngine:
         verify_in = torch.cat([last[:, None], draft_tokens], dim=1)  # [B, kmax + 1]
         rows_cpu = torch.tensor(live, dtype=torch.long)
         logits = self.target.forward_cached(verify_in, self.t_cache, rows_cpu, k_t + 1)  # [B, kmax + 1, V]
-        target_probs = process_logits(logits, temps, top_p)
+        target_probs = sampling.probs(logits)
         accepted, next_tok = rejection_sample(draft_tokens, draft_probs, target_probs, k_t.to(self.device), self.gen)
         accepted_l = accepted.tolist()  # the round's one device -> host sync
         next_l = next_tok.tolist()
@@ -438,7 +439,7 @@ class SpecEngine:
         )
 
     def _draft(
-        self, live: list[int], rows_k: list[int], kmax: int, temps: torch.Tensor, top_p: torch.Tensor
+        self, live: list[int], rows_k: list[int], kmax: int, sampling: RowSampling
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the draft ``kmax`` steps for the rows with ``k > 0``.
 
@@ -473,6 +474,7 @@ class SpecEngine:
         active = list(range(len(sel)))  # positions in sel of the rows drafting at this step
         whole = len(sel) == b  # every row drafts: index the batch by slices, not by gathers
         idx, step_rows = sel_t, torch.tensor(rows, dtype=torch.long)
+        step_sampling = sampling if whole else sampling.select(sel_t)
         d = torch.zeros(0, dtype=torch.long, device=self.device)
         for step in range(kmax):
             if step > 0:
@@ -484,9 +486,10 @@ class SpecEngine:
                     d = d[torch.tensor(still, device=self.device)]
                     idx = sel_t[torch.tensor(active, device=self.device)]  # [S_j] positions in the batch
                     step_rows = torch.tensor([rows[a] for a in active], dtype=torch.long)
+                    step_sampling = sampling.select(idx)
                 step_logits = self.draft.forward_cached(d[:, None], self.d_cache, step_rows)
             at: slice | torch.Tensor = slice(None) if whole else idx  # a slice writes in place, a gather copies
-            q = process_logits(step_logits, temps[at], top_p[at])[:, 0]  # [S_j, V]
+            q = step_sampling.probs(step_logits)[:, 0]  # [S_j, V]
             d = sample(q, self.gen)  # [S_j]
             tokens[at, step] = d
             probs[at, step] = q

@@ -231,6 +231,12 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+# Decode-time application of a submodule without nn.Module.__call__ (its hook machinery costs about 2 us a call,
+# a visible share of a draft step that is some twenty small kernels).
+_lin = Linear.forward
+_norm = RMSNorm.forward
+
+
 def rope_table(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary tables in the form :func:`apply_rope` takes, for pairs (first half, second half) of a head.
 
@@ -382,6 +388,11 @@ class Block(nn.Module):
         gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
+    def _mlp_cached(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`_mlp` at decode time (submodules through ``forward``, see :meth:`forward_cached`)."""
+        gate, up = _lin(self.w13, _norm(self.ffn_norm, x)).chunk(2, dim=-1)
+        return x + _lin(self.w2, F.silu(gate) * up)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training forward: causal attention over whole sequences.
 
@@ -412,6 +423,9 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         """Decode-time forward over packed tokens, appending their keys and values to the cache.
 
+        Submodules are applied through their ``forward`` (:func:`_norm`, :func:`_lin`), not ``__call__``: no
+        hooks are used at decode time, and a step of the one-layer draft is mostly per-call overhead on the CPU.
+
         Args:
             x: ``[N, C]`` the real tokens of the forward, packed.
         Returns:
@@ -420,7 +434,7 @@ class Block(nn.Module):
         c = x.shape[-1]
         r, t = ctx.padded_shape
         # Projections on the real tokens only, then the padded [R, T] layout attention uses.
-        q, k, v = self._qkv(ctx.unpack(self.wqkv(self.attn_norm(x))), ctx.cos, ctx.sin)
+        q, k, v = self._qkv(ctx.unpack(_lin(self.wqkv, _norm(self.attn_norm, x))), ctx.cos, ctx.sin)
         ck, cv = cache_kv
         # index_copy_ on a flat view is far cheaper than advanced-index assignment (one memcpy per vector).
         ck.view(-1, self.head_dim).index_copy_(0, ctx.flat, k.reshape(-1, self.head_dim))
@@ -443,7 +457,7 @@ class Block(nn.Module):
                     q[g.lo : g.hi, :, : g.t], ck[rows, :, : g.end], cv[rows, :, : g.end], mask
                 )
                 y_rt[g.lo : g.hi, : g.t] = y.transpose(1, 2).reshape(n, g.t, c)
-        return self._mlp(x + self.wo(ctx.pack(y_rt)))  # attention output packed to [N, C]
+        return self._mlp_cached(x + _lin(self.wo, ctx.pack(y_rt)))  # attention output packed to [N, C]
 
 
 class Transformer(nn.Module):
@@ -546,56 +560,69 @@ class Transformer(nn.Module):
         lo = rows_l[0]
         span = (lo, lo + r) if rows_l == list(range(lo, lo + r)) else None  # contiguous rows: a view of the cache
         if t == 1:
-            ctx, new_lens = self._one_token_context(cache, rows, span, dev)
+            ctx, new_lens = self._one_token_context(cache, rows, rows_l, span, dev)
+            x = self.embed(tokens[:, 0])  # [R, C]: one token a row, nothing to pack
         else:
             ctx, new_lens = self._ragged_context(cache, rows, span, real_lens, t, dev)
-        x = self.embed(ctx.pack(tokens[:, :, None])[:, 0])  # [N, C]
+            x = self.embed(ctx.pack(tokens[:, :, None])[:, 0])  # [N, C]
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, Block)
             x = layer.forward_cached(x, ctx, (cache.k[i], cache.v[i]))
-        cache.lengths[rows] = new_lens
-        return ctx.unpack(self.head(self.norm(x)).float())
+        if span is not None:
+            cache.lengths[span[0] : span[1]] = new_lens  # a slice copy, not an index_put
+        else:
+            cache.lengths[rows] = new_lens
+        return ctx.unpack(_lin(self.head, _norm(self.norm, x)).float())
 
     def _one_token_context(
-        self, cache: KVCache, rows: torch.Tensor, span: tuple[int, int] | None, dev: torch.device
+        self,
+        cache: KVCache,
+        rows: torch.Tensor,
+        rows_l: list[int],
+        span: tuple[int, int] | None,
+        dev: torch.device,
     ) -> tuple[CachedAttention, torch.Tensor]:
         """The attention context of a decode step: one new token per row, no padding.
 
-        The same context :meth:`_ragged_context` builds for ``T = 1``, in a third of the kernels: a draft step
-        of the one-layer draft costs little more than its kernel launches, so the set-up is a visible share.
+        The same context :meth:`_ragged_context` builds for ``T = 1``, in a fraction of the kernels: a draft
+        step of the one-layer draft costs little more than its kernel launches (about 6 us each on the CPU), so
+        the set-up is a visible share. Small index arithmetic is done on Python ints, and contiguous rows are
+        read as slices.
 
         Args:
-            rows: ``[R]`` int64 CPU.
+            rows: ``[R]`` int64 CPU; ``rows_l`` the same as a list.
         Returns:
             the context, and the rows' lengths after the step (``[R]`` CPU).
         """
-        starts = cache.lengths[rows]  # [R] CPU: each row's new token goes to position starts[r]
-        starts_l = starts.tolist()
+        starts = cache.lengths[rows] if span is None else cache.lengths[span[0] : span[1]]  # [R] CPU
+        starts_l = starts.tolist()  # each row's new token goes to position starts_l[r]
         end = max(starts_l) + 1
         _check_capacity(end, cache)
         dtype = self.embed.weight.dtype
-        r = len(starts_l)
         mask = None
         if min(starts_l) != end - 1:  # rows of different lengths: hide each row's keys past its own position
             visible = torch.arange(end)[None, :] <= starts[:, None]  # [R, end]
             mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
             mask = mask.to(dev, non_blocking=True)[:, None, None]  # [R, 1, 1, end]
         n_h, slots = self.cfg.kv_heads, cache.capacity + 1
-        flat = (rows[:, None] * n_h + torch.arange(n_h)[None, :]) * slots + starts[:, None]  # [R, Hkv]
+        # Offsets of the new keys in the cache viewed [B * Hkv * L', D]: row-major over (row, key/value head).
+        flat = torch.tensor(
+            [(row * n_h + h) * slots + s for row, s in zip(rows_l, starts_l, strict=True) for h in range(n_h)]
+        )
         pos = starts.to(dev, non_blocking=True)
         ctx = CachedAttention(
             cos=self.rope_cos[pos].to(dtype)[:, None, None],
             sin=self.rope_sin[pos].to(dtype)[:, None, None],
             mask=mask,
             rows=rows.to(dev)[:, None],
-            flat=flat.reshape(-1).to(dev, non_blocking=True),
+            flat=flat.to(dev, non_blocking=True),
             attend_len=end,
             row_span=span,
-            padded_shape=(rows.shape[0], 1),
+            padded_shape=(len(rows_l), 1),
             real=None,
             # Scattered rows (a draft step of the rows still drafting): one attention per run of consecutive
             # cache rows, each over a view, rather than a gather of every row's keys.
-            groups=None if span is not None else attention_groups(rows.tolist(), [1] * r, [n + 1 for n in starts_l]),
+            groups=None if span is not None else attention_groups(rows_l, [1] * len(rows_l), [n + 1 for n in starts_l]),
         )
         return ctx, starts + 1
 

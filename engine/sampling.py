@@ -12,13 +12,65 @@ target's next distribution. The output is distributed exactly as the target's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 GREEDY = 0.0  # temperature that selects greedy decoding
 
 
+@dataclass(frozen=True)
+class RowSampling:
+    """Each row's temperature and top-p, prepared once a round: every draft step and the verify reuse it.
+
+    A draft step of the one-layer draft is mostly per-kernel overhead on the CPU, so what does not change within
+    a round (the reciprocal temperatures, which rows are greedy, whether any row filters by top-p) is worked out
+    once, from the requests' Python floats, with no device round trip.
+    """
+
+    inv_temp: torch.Tensor  # [B, 1, 1] float32: 1 / temperature; 1 for greedy rows (their logits only rank)
+    top_p: torch.Tensor  # [B]
+    greedy: torch.Tensor | None  # [B] bool; None when no row is greedy
+    nucleus: bool  # some row keeps only its top-p nucleus
+
+    @staticmethod
+    def of(temperature: list[float], top_p: list[float], device: torch.device | None = None) -> RowSampling:
+        """Rows with these temperatures (``<= 0``: greedy) and top-p values."""
+        greedy = [t <= GREEDY for t in temperature]
+        inv = [1.0 if g else 1.0 / t for t, g in zip(temperature, greedy, strict=True)]
+        return RowSampling(
+            inv_temp=torch.tensor(inv, dtype=torch.float32, device=device)[:, None, None],
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, device=device) if any(greedy) else None,
+            nucleus=any(p < 1.0 for p in top_p),
+        )
+
+    def select(self, idx: torch.Tensor) -> RowSampling:
+        """The rows at ``idx`` (``[S]`` int64 on the device)."""
+        return RowSampling(
+            self.inv_temp[idx], self.top_p[idx], None if self.greedy is None else self.greedy[idx], self.nucleus
+        )
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Distributions after temperature and top-p, applied identically to draft and target.
+
+        Args:
+            logits: ``[B, T, V]`` float.
+        Returns:
+            probs: ``[B, T, V]`` float32, each row summing to 1.
+        """
+        logits = logits.float()
+        probs = torch.softmax(logits * self.inv_temp, dim=-1)
+        if self.nucleus:
+            probs = _top_p(probs, self.top_p)
+        if self.greedy is not None:
+            onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+            probs = torch.where(self.greedy[:, None, None], onehot, probs)
+        return probs
+
+
 def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Distributions after temperature and top-p, applied identically to draft and target.
+    """Distributions after temperature and top-p (see :meth:`RowSampling.probs`).
 
     Args:
         logits: ``[B, T, V]`` float.
@@ -27,16 +79,7 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     Returns:
         probs: ``[B, T, V]`` float32, each row summing to 1.
     """
-    logits = logits.float()
-    greedy = temperature <= GREEDY  # [B]
-    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
-    probs = torch.softmax(logits / t[:, None, None], dim=-1)
-    if bool((top_p < 1.0).any()):
-        probs = _top_p(probs, top_p)
-    if bool(greedy.any()):
-        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None, None], onehot, probs)
-    return probs
+    return RowSampling.of(temperature.tolist(), top_p.tolist(), logits.device).probs(logits)
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

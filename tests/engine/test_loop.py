@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+import engine.model as M
 from engine.loop import CATCHUP_INLINE, EngineConfig, Request, SpecEngine
 from engine.model import BOS_ID, MODEL_PRESETS, CacheCapacityError, Transformer
 from telemetry.records import RoundRecord
@@ -249,7 +250,8 @@ def _linear_calls_in_one_round(
     """Rows ``type0..`` decode one round at per-row ``ks`` (after an admission round at k = 2).
 
     Returns the measured round and, for every call of a linear layer of ``watch`` during it, how many token
-    vectors that call received.
+    vectors that call received. Decode-time forwards apply their linear layers through ``engine.model._lin``
+    (no module hooks), so the spy wraps that.
     """
     target, draft = pair
     eng = SpecEngine(target, draft, EngineConfig(max_batch=len(ks), max_context=128, k_max=8), "t", "d")
@@ -257,16 +259,17 @@ def _linear_calls_in_one_round(
         assert eng.submit(Request(str(j), f"type{j}", b"abc", 40, temperature=0.0))
     eng.step(lambda t, b, c: 2)  # admission (prefill) happens here; the next round is the one measured
     seen: list[int] = []
-    handles = [
-        m.register_forward_hook(lambda _m, inp, _out: seen.append(inp[0].shape[:-1].numel()))
-        for m in watch.modules()
-        if isinstance(m, torch.nn.Linear)
-    ]
-    try:
+    watched = {id(m) for m in watch.modules() if isinstance(m, torch.nn.Linear)}
+    real_lin = M._lin
+
+    def spy(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if id(m) in watched:
+            seen.append(x.shape[:-1].numel())
+        return real_lin(m, x)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(M, "_lin", spy)
         rec = eng.step(lambda t, b, c: ks[int(t[-1])])
-    finally:
-        for h in handles:
-            h.remove()
     assert rec is not None and sorted(row.k for row in rec.rows) == sorted(ks)
     return rec, seen
 

@@ -61,7 +61,7 @@ def test_one_token_context_equals_the_ragged_context_for_one_token() -> None:
     m.forward_cached(torch.randint(0, 256, (4, 6)), cache, real_lens=torch.tensor([6, 2, 4, 6]))
     rows = torch.tensor([3, 1, 2])
     dev = torch.device("cpu")
-    fast, fast_lens = m._one_token_context(cache, rows, None, dev)
+    fast, fast_lens = m._one_token_context(cache, rows, rows.tolist(), None, dev)
     slow, slow_lens = m._ragged_context(cache, rows, None, None, 1, dev)
     assert torch.equal(fast_lens, slow_lens)
     for name in ("cos", "sin", "mask", "rows", "flat"):
