@@ -59,14 +59,16 @@ def test_one_token_context_equals_the_ragged_context_for_one_token() -> None:
     m = Transformer(MODEL_PRESETS["tiny"]).eval()
     cache = m.new_cache(4, 32)
     m.forward_cached(torch.randint(0, 256, (4, 6)), cache, real_lens=torch.tensor([6, 2, 4, 6]))
-    rows = torch.tensor([3, 1, 2])
     dev = torch.device("cpu")
-    fast, fast_lens = m._one_token_context(cache, rows, rows.tolist(), None, dev)
-    slow, slow_lens = m._ragged_context(cache, rows, None, None, 1, dev)
-    assert torch.equal(fast_lens, slow_lens)
-    for name in ("cos", "sin", "mask", "rows", "flat"):
-        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
-    assert (fast.attend_len, fast.padded_shape, fast.real) == (slow.attend_len, slow.padded_shape, slow.real)
+    # Scattered rows, and contiguous rows (whose lengths the fast path reads as a slice of the cache's).
+    for rows, span in ((torch.tensor([3, 1, 2]), None), (torch.tensor([1, 2, 3]), (1, 4))):
+        fast, fast_lens = m._one_token_context(cache, rows, rows.tolist(), span, dev)
+        slow, slow_lens = m._ragged_context(cache, rows, span, None, 1, dev)
+        assert torch.equal(fast_lens, slow_lens)
+        for name in ("cos", "sin", "mask", "rows", "flat"):
+            assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+        assert (fast.attend_len, fast.padded_shape, fast.real) == (slow.attend_len, slow.padded_shape, slow.real)
+    assert cache.lengths.tolist() == [6, 2, 4, 6]  # building a context changes no length
 
 
 def test_kernel_crossover_is_the_first_token_count_where_onednn_wins(monkeypatch: pytest.MonkeyPatch) -> None:

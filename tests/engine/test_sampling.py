@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling import process_logits, rejection_sample, sample
+from engine.sampling import RowSampling, process_logits, rejection_sample, sample
 
 
 def _dists(v: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,3 +106,23 @@ def test_sample_follows_the_distribution_and_never_picks_zero_mass() -> None:
     q = torch.tensor([[2.0, 0.0, 2.0], [1.0, 0.0, 0.0]])
     y = sample(q.repeat(1000, 1), torch.Generator().manual_seed(2)).view(1000, 2)
     assert set(y[:, 0].tolist()) == {0, 2} and set(y[:, 1].tolist()) == {0}
+
+
+def test_row_sampling_prepared_once_equals_per_row_processing_and_selects_rows() -> None:
+    # A round prepares its rows' sampling once; every draft step and the verify reuse it, and a draft step over
+    # the rows still drafting selects theirs. Each row must get exactly what processing it alone would give.
+    torch.manual_seed(5)
+    temps, top_ps = [0.0, 1.0, 0.7, 1.3], [1.0, 0.9, 1.0, 0.5]
+    logits = torch.randn(4, 3, 11)
+    prepared = RowSampling.of(temps, top_ps)
+    alone = torch.cat(
+        [process_logits(logits[i : i + 1], torch.tensor([temps[i]]), torch.tensor([top_ps[i]])) for i in range(4)]
+    )
+    assert torch.allclose(prepared.probs(logits), alone, atol=1e-6)
+    idx = torch.tensor([3, 1])
+    assert torch.allclose(prepared.select(idx).probs(logits[idx]), alone[idx], atol=1e-6)
+    assert prepared.greedy is not None and prepared.nucleus
+    plain = RowSampling.of([1.0, 0.5], [1.0, 1.0])
+    assert plain.greedy is None and not plain.nucleus  # nothing to filter: softmax of the scaled logits only
+    scaled = logits[:2] * torch.tensor([1.0, 2.0])[:, None, None]  # 1 / temperature
+    assert torch.allclose(plain.probs(logits[:2]), torch.softmax(scaled, -1))
