@@ -385,11 +385,7 @@ class Block(nn.Module):
         self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
-
-    def _mlp_cached(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`_mlp` at decode time (submodules through ``forward``, see :meth:`forward_cached`)."""
+        """Residual SwiGLU feed-forward (submodules through ``forward``, see :meth:`forward_cached`)."""
         gate, up = _lin(self.w13, _norm(self.ffn_norm, x)).chunk(2, dim=-1)
         return x + _lin(self.w2, F.silu(gate) * up)
 
@@ -457,7 +453,7 @@ class Block(nn.Module):
                     q[g.lo : g.hi, :, : g.t], ck[rows, :, : g.end], cv[rows, :, : g.end], mask
                 )
                 y_rt[g.lo : g.hi, : g.t] = y.transpose(1, 2).reshape(n, g.t, c)
-        return self._mlp_cached(x + _lin(self.wo, ctx.pack(y_rt)))  # attention output packed to [N, C]
+        return self._mlp(x + _lin(self.wo, ctx.pack(y_rt)))  # attention output packed to [N, C]
 
 
 class Transformer(nn.Module):
