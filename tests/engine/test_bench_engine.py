@@ -1,12 +1,24 @@
 """The mixed cells: coordinate search (``bench.engine.coordinate_search``) against scripted measurements, the rows'
-layout, and restarts that hold the context still."""
+layout, restarts that hold the context still, and uniform cells measured over several prompt sets."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from types import SimpleNamespace
 
-from bench.engine import CONTEXTS, K_VALUES, MIXED_GRID, REQUEST_TYPES, KConfig, _mixed_types, _Rows, coordinate_search
+import pytest
+
+from bench.engine import (
+    CONTEXTS,
+    K_VALUES,
+    MIXED_GRID,
+    REQUEST_TYPES,
+    KConfig,
+    _mixed_types,
+    _Rows,
+    _run_cell,
+    coordinate_search,
+)
 from engine.model import Transformer
 
 START: KConfig = dict.fromkeys(REQUEST_TYPES, 2)
@@ -71,3 +83,19 @@ def test_rows_restart_so_the_context_stays_where_the_cell_says(pair: tuple[Trans
     assert max(r.max_context for r in recs) <= prompt + 20 + 4 + 1
     assert min(r.max_context for r in recs[1:]) >= prompt
     assert sum(r.max_context == prompt for r in recs[1:]) >= 2  # it did restart (more than once)
+
+
+def test_a_cell_over_several_prompt_sets_merges_their_rounds(pair: tuple[Transformer, Transformer]) -> None:
+    # Two engines, each filled with its own prompt, each measured the same cycles: every k's totals hold both
+    # sets' rounds, and its histogram counts each round's row once.
+    models = SimpleNamespace(target=pair[0], draft=pair[1], target_version="t", draft_version="d")
+    one, _ = _run_cell(models, "sample", "code", 1, "short", 2, 0)
+    two, confirmed = _run_cell(models, "sample", "code", 1, "short", 2, 0, confirm=True, prompt_sets=2)
+    for k in K_VALUES:
+        assert one[k]["rounds"] == 2 and two[k]["rounds"] == 4
+        assert len(two[k]["round_wall"]) == 4 and len(two[k]["contexts"]) == 4
+        assert len(two[k]["hist"]) == k + 1 and sum(two[k]["hist"]) == 4
+        assert two[k]["emitted"] == sum((a + 1) * n for a, n in enumerate(two[k]["hist"]))
+    assert confirmed is not None and confirmed["k"] > 0
+    with pytest.raises(ValueError, match="prompt_sets"):
+        _run_cell(models, "sample", "code", 1, "short", 2, 0, prompt_sets=0)
