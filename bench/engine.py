@@ -8,7 +8,9 @@ that type, prefilled once, and then decodes round after round with the draft len
 shuffled order per repetition, so that every k sees the same rows, the same contexts and the same machine state.
 tokens/s of a k is its mean tokens emitted per round over its median round wall time. The best k > 0 of the
 sweep is then measured again beside plain decoding on the same rows restarted from their prompts
-(``"confirmed"``): the sweep's maximum over eight noisy estimates is biased upward, the fresh pair is not.
+(``"confirmed"``): the sweep's maximum over eight noisy estimates is biased upward, the fresh pair is not. A
+batch-1 cell is one row, one draw of its request type, so it runs on several engines filled with different prompts
+(``Section.prompt_sets``) and merges their rounds.
 
 **Mixed cells** (batch 16 and 64, one third each of code, prose and structured): the same, with one k per request
 type. Verification is packed (the target's token-wise work is sum over rows of k + 1; attention runs per
