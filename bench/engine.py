@@ -194,15 +194,15 @@ def _uniform(ks: Sequence[int]) -> list[KConfig]:
 
 def _merge(into: dict[str, Any], more: dict[str, Any]) -> None:
     """Add one prompt set's totals of a configuration (see :meth:`_Rows.measure`) to another's."""
-    for key in ("emitted", "draft", "verify", "other", "rounds"):
-        into[key] += more[key]
-    into["contexts"] += more["contexts"]
-    into["round_wall"] += more["round_wall"]
-    for t, h in more["hist"].items():
-        into["hist"][t] = [a + b for a, b in zip(into["hist"].get(t, [0] * len(h)), h, strict=True)]
-    for key in ("emitted_by_type", "rows_by_type"):
-        for t, n in more[key].items():
-            into[key][t] = into[key].get(t, 0) + n
+    for key, v in more.items():
+        if key == "hist":  # type -> rows by number of drafts accepted
+            for t, h in v.items():
+                into[key][t] = [a + b for a, b in zip(into[key].get(t, [0] * len(h)), h, strict=True)]
+        elif isinstance(v, dict):  # type -> a count
+            for t, n in v.items():
+                into[key][t] = into[key].get(t, 0) + n
+        else:  # numbers add, lists concatenate
+            into[key] += v
 
 
 def _measure_sets(sets: Sequence[_Rows], configs: Sequence[KConfig], reps: int,
