@@ -13,6 +13,7 @@ overwritten later).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -140,46 +141,75 @@ class Linear(nn.Linear):
 
     Why: the BLAS behind fp32 ``F.linear`` on CPU builds is 2-6x slower than oneDNN with a pre-packed weight for
     large enough inputs (measured: 9 tokens x 768 x 4096 takes 4.3 ms vs 0.8 ms), while oneDNN has a floor of
-    about 15 us a call that BLAS does not: for the draft's 160 x 160 projection BLAS takes 5 us for one token and
-    8 us for two. Where the two cross depends on the machine and the weight's shape (on one development machine
-    BLAS won every one-token call, on another oneDNN was 3x faster for the xl target's 768 x 4096 MLP). A plain
-    decoding baseline on the slower kernel would flatter speculation, and a draft step on it would hide what
-    speculation gains, so :meth:`pack` times both kernels once per weight shape at ``CROSSOVER_PROBES`` token
-    counts and keeps the smallest count from which oneDNN is faster (``KERNEL_CROSSOVER`` caches it per
-    process). The two kernels differ only in the order of their sums.
+    about 15-40 us a call that BLAS does not: for the draft's 160 x 160 projection BLAS takes 5 us for one token.
+    Where the two cross depends on the machine and the weight's shape, so :meth:`pack` times both kernels once per
+    weight shape at ``CROSSOVER_PROBES`` token counts and keeps the smallest count from which oneDNN is faster
+    (``KERNEL_CROSSOVER`` caches it per process). A plain decoding baseline on the slower kernel would flatter
+    speculation, and a draft step on it would hide what speculation gains.
+
+    Two things make the timing say what a forward sees (both measured on a 2-core AMD EPYC VM):
+
+    - **Cold weights.** A forward reads each weight once, after every other weight of the model, so a small
+      model's weights come from L2/L3 and a large one's from DRAM. Timed hot (one weight called again and again)
+      BLAS looked as fast as oneDNN for one token of the xl target's 768 x 1152 projection, and the choice flipped
+      between processes; read cold it takes 324 us against oneDNN's 104. :meth:`pack` is told the model's weight
+      bytes and times each kernel over enough copies of the weight to cover them (``footprint_bytes``).
+    - **BLAS reads the weight transposed once, ahead of time** (``_wt``, ``[in, out]``, kept only where BLAS is
+      used): ``x @ W^T`` on the ``[out, in]`` layout took 134 us for one cold token of the small target's 192 x 1024
+      MLP projection, on ``[in, out]`` 58 us (160 x 896: 78 vs 31 us). The two kernels differ only in the order
+      of their sums.
     """
 
     _packed: torch.Tensor | None = None
     _packed_version: int = -1
     _onednn_from: int = 1  # token counts from this one up take oneDNN, smaller ones BLAS
+    _wt: torch.Tensor | None = None  # [in, out] contiguous copy of the weight for BLAS; None where oneDNN always runs
 
-    def pack(self) -> None:
-        """Pre-pack the weight for oneDNN (CPU, fp32, when available); a no-op elsewhere."""
+    def pack(self, footprint_bytes: int = 0) -> None:
+        """Pre-pack the weight for oneDNN (CPU, fp32, when available) and pick each token count's kernel.
+
+        Args:
+            footprint_bytes: the weight bytes of the whole model this layer belongs to: the kernels are timed with
+                their weights read from as far down the memory hierarchy as a forward of that model reads them.
+        """
         w = self.weight
         if w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
             self._packed_version = w._version
-            self._onednn_from = self._kernel_crossover()
+            self._wt = w.detach().t().contiguous()
+            self._onednn_from = self._kernel_crossover(footprint_bytes)
+            if self._onednn_from <= 1:
+                self._wt = None  # oneDNN takes every input: no BLAS copy to keep
         else:
-            self._packed = None
+            self._packed = self._wt = None
 
     @torch.no_grad()
-    def _kernel_crossover(self) -> int:
+    def _kernel_crossover(self, footprint_bytes: int) -> int:
         """The smallest probed token count at which oneDNN beats BLAS on this weight (a large number: never)."""
-        key = (self.in_features, self.out_features, self.bias is not None, torch.get_num_threads())
+        w = self.weight.detach()
+        copies = max(1, min(MAX_TIMING_COPIES, -(-footprint_bytes // (w.numel() * w.element_size()))))
+        key = (self.in_features, self.out_features, self.bias is not None, torch.get_num_threads(), copies)
         if key not in KERNEL_CROSSOVER:
-            packed = self._packed
+            # ``copies`` distinct weights, each read in turn: the last one read is the farthest from the core.
+            gen = torch.Generator().manual_seed(copies)
+            ws = [w] + [torch.randn(w.shape, generator=gen) for _ in range(copies - 1)]
+            packed = [torch.ops.mkldnn._reorder_linear_weight(v, PACK_BATCH_HINT) for v in ws]
+            wts = [v.t().contiguous() for v in ws]
+            turn_o, turn_b = itertools.cycle(range(copies)), itertools.cycle(range(copies))  # one turn each kernel
             crossover = NEVER
             for tokens in CROSSOVER_PROBES:
                 x = torch.randn(tokens, self.in_features, generator=torch.Generator().manual_seed(tokens))
 
                 def onednn(x: torch.Tensor = x) -> torch.Tensor:
-                    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+                    return torch.ops.mkldnn._linear_pointwise(x, packed[next(turn_o)], self.bias, "none", [], "")
 
                 def blas(x: torch.Tensor = x) -> torch.Tensor:
-                    return F.linear(x, self.weight, self.bias)
+                    return _blas_linear(x, wts[next(turn_b)], self.bias)
 
-                if _median_seconds(onednn) < _median_seconds(blas):
+                for _ in range(copies):  # first touches of every copy (page faults, allocation) are not timed
+                    onednn()
+                    blas()
+                if _onednn_faster(onednn, blas):
                     crossover = tokens
                     break
             KERNEL_CROSSOVER[key] = crossover
@@ -190,22 +220,52 @@ class Linear(nn.Linear):
         if (
             packed is not None
             and not self.training
-            and x.numel() >= self._onednn_from * x.shape[-1]  # enough tokens that oneDNN was timed faster
             and self.weight._version == self._packed_version  # weights unchanged since packing
             and x.dtype == torch.float32
             and not torch.is_grad_enabled()
         ):
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            if x.numel() >= self._onednn_from * x.shape[-1]:  # enough tokens that oneDNN was timed faster
+                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            if self._wt is not None:
+                return _blas_linear(x, self._wt, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
-# (in, out, bias, threads) -> the smallest token count from which oneDNN is faster (timed once per process)
-KERNEL_CROSSOVER: dict[tuple[int, int, bool, int], int] = {}
+def _blas_linear(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T (+ b)`` on the transposed weight ``wt = W^T`` (``[in, out]``, contiguous).
+
+    Args:
+        x: ``[..., in]``.
+    Returns:
+        ``[..., out]``.
+    """
+    y = x.reshape(-1, x.shape[-1]) @ wt if x.dim() != 2 else x @ wt
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], wt.shape[1])
+
+
+# (in, out, bias, threads, timing copies) -> the smallest token count from which oneDNN is faster (timed once per
+# process)
+KERNEL_CROSSOVER: dict[tuple[int, int, bool, int, int], int] = {}
 # Token counts a pack() times: a decode step (1), one row's verify window (2-9), a small batch (16), a batch of
 # 64 decode steps. A weight where BLAS won at every probe keeps BLAS for every input.
 CROSSOVER_PROBES = (1, 2, 3, 4, 6, 9, 16, 64)
 NEVER = 1 << 62  # the crossover of a weight where oneDNN never won
-KERNEL_TIMING_CALLS = 15  # per kernel, weight shape and token count at pack time: a median of 15 calls
+KERNEL_TIMING_CALLS = 15  # per kernel, weight shape, token count and timing round at pack time: a median of 15 calls
+# Alternating rounds of the two kernels; the majority decides. A VM's speed moves in spells of seconds: timed once
+# each, one after the other, the xl target's 768 x 768 projection once chose BLAS at one token (200 us cold)
+# over oneDNN (65 us).
+KERNEL_TIMING_ROUNDS = 3
+# Most weight copies a timing cycles through (a 768 x 4096 weight of the 150 MB xl target needs 12 to read it
+# from DRAM, as a forward does); the copies live only while pack() times.
+MAX_TIMING_COPIES = 32
+
+
+def _onednn_faster(onednn: Callable[[], torch.Tensor], blas: Callable[[], torch.Tensor]) -> bool:
+    """Whether oneDNN won most of ``KERNEL_TIMING_ROUNDS`` alternating rounds of median timings."""
+    wins = sum(_median_seconds(onednn) < _median_seconds(blas) for _ in range(KERNEL_TIMING_ROUNDS))
+    return 2 * wins > KERNEL_TIMING_ROUNDS
 
 
 def _median_seconds(fn: Callable[[], torch.Tensor]) -> float:
@@ -482,9 +542,10 @@ class Transformer(nn.Module):
     def prepare_inference(self) -> Transformer:
         """Switch to eval mode and pre-pack weights for the fastest CPU kernels (see :class:`Linear`)."""
         self.eval()
+        footprint = self.weight_bytes()
         for m in self.modules():
             if isinstance(m, Linear):
-                m.pack()
+                m.pack(footprint)
         return self
 
     def num_params(self) -> int:
