@@ -174,27 +174,33 @@ class Linear(nn.Linear):
         """
         w = self.weight
         if w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
-            self._packed_version = w._version
-            self._wt = w.detach().t().contiguous()
-            self._onednn_from = self._kernel_crossover(footprint_bytes)
-            if self._onednn_from <= 1:
-                self._wt = None  # oneDNN takes every input: no BLAS copy to keep
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
+            wt = w.detach().t().contiguous()
+            self._packed, self._packed_version = packed, w._version
+            self._onednn_from = self._kernel_crossover(packed, wt, footprint_bytes)
+            self._wt = None if self._onednn_from <= 1 else wt  # oneDNN takes every input: no BLAS copy to keep
         else:
             self._packed = self._wt = None
 
     @torch.no_grad()
-    def _kernel_crossover(self, footprint_bytes: int) -> int:
-        """The smallest probed token count at which oneDNN beats BLAS on this weight (a large number: never)."""
+    def _kernel_crossover(self, packed_w: torch.Tensor, wt: torch.Tensor, footprint_bytes: int) -> int:
+        """The smallest probed token count at which oneDNN beats BLAS on this weight (a large number: never).
+
+        Args:
+            packed_w, wt: the weight packed for oneDNN and transposed for BLAS (the first of the timed copies).
+        """
         w = self.weight.detach()
         copies = max(1, min(MAX_TIMING_COPIES, -(-footprint_bytes // (w.numel() * w.element_size()))))
         key = (self.in_features, self.out_features, self.bias is not None, torch.get_num_threads(), copies)
         if key not in KERNEL_CROSSOVER:
             # ``copies`` distinct weights, each read in turn: the last one read is the farthest from the core.
-            gen = torch.Generator().manual_seed(copies)
-            ws = [w] + [torch.randn(w.shape, generator=gen) for _ in range(copies - 1)]
-            packed = [torch.ops.mkldnn._reorder_linear_weight(v, PACK_BATCH_HINT) for v in ws]
-            wts = [v.t().contiguous() for v in ws]
+            others = [w.clone() for _ in range(copies - 1)]  # a copy's values do not matter to its timing
+            packed = [packed_w, *(torch.ops.mkldnn._reorder_linear_weight(v, PACK_BATCH_HINT) for v in others)]
+            wts = [wt, *(v.t().contiguous() for v in others)]
+            one = torch.zeros(1, self.in_features)
+            for p, v in zip(packed, wts, strict=True):  # first touches of every copy (page faults) are not timed
+                torch.ops.mkldnn._linear_pointwise(one, p, self.bias, "none", [], "")
+                _blas_linear(one, v, self.bias)
             turn_o, turn_b = itertools.cycle(range(copies)), itertools.cycle(range(copies))  # one turn each kernel
             crossover = NEVER
             for tokens in CROSSOVER_PROBES:
@@ -206,9 +212,6 @@ class Linear(nn.Linear):
                 def blas(x: torch.Tensor = x) -> torch.Tensor:
                     return _blas_linear(x, wts[next(turn_b)], self.bias)
 
-                for _ in range(copies):  # first touches of every copy (page faults, allocation) are not timed
-                    onednn()
-                    blas()
                 if _onednn_faster(onednn, blas):
                     crossover = tokens
                     break
@@ -239,10 +242,8 @@ def _blas_linear(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -
     Returns:
         ``[..., out]``.
     """
-    y = x.reshape(-1, x.shape[-1]) @ wt if x.dim() != 2 else x @ wt
-    if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], wt.shape[1])
+    y = x @ wt  # matmul folds any leading dimensions into one matrix product with a 2-D right operand
+    return y if bias is None else y + bias
 
 
 # (in, out, bias, threads, timing copies) -> the smallest token count from which oneDNN is faster (timed once per
