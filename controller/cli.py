@@ -1,4 +1,5 @@
-"""``spectune``: the one entry point. Subcommands: train, engine, sidecar, demo, bench, db, policy, report.
+"""``spectune``: the one entry point. Subcommands: train, export-model, engine, sidecar, vllm, demo, bench, db,
+policy, report.
 
 This is the only module that reads the environment (``SPECTUNE_REDIS_URL``, ``SPECTUNE_DB_URL``,
 ``SPECTUNE_SIDECAR_URL`` as defaults for the matching options). Torch is imported only inside the subcommands
@@ -112,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("export", help="the policy table as a vLLM / TensorRT-LLM / SGLang / HF config", add_help=False)
     sub.add_parser("tune", help="tune a static table or the goodput policy with optuna on stored telemetry",
                    add_help=False)
+    sub.add_parser("vllm", help="vllm serve with spectune's models, draft and scheduler (spectune vllm serve --help)",
+                   add_help=False)
+
+    p = sub.add_parser("export-model", help="write a profile's target, model update and draft as HuggingFace "
+                                            "LlamaForCausalLM directories (for vLLM, SGLang, transformers)")
+    p.add_argument("out", type=Path, help="directory; one subdirectory per model, named by its version id")
+    p.add_argument("--profile", choices=PROFILE_NAMES, default=DEFAULT_PROFILE, help=PROFILE_HELP)
+    p.add_argument("--no-update", action="store_true", help="leave out the model update (target-v2)")
 
     p = sub.add_parser("bench", help=f"run a benchmark: {', '.join(BENCHES)} (args after NAME go to it)",
                        add_help=False)
@@ -172,8 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(demo.main(args_in[1:]))
         if args_in and args_in[0] == "bench":
             return _bench(args_in[1:])
+        if args_in and args_in[0] == "vllm":  # vLLM steered by spectune (controller/engines/vllm)
+            from controller.engines.vllm import cli as vllm_cli
+
+            return int(vllm_cli.main(args_in[1:], redis_default=_env("SPECTUNE_REDIS_URL", DEFAULT_REDIS_URL),
+                                     vllm_python=os.environ.get("SPECTUNE_VLLM_PYTHON")))
         args = build_parser().parse_args(args_in)
-        handler = {"train": _train, "engine": _engine, "sidecar": _sidecar, "db": _db, "policy": _policy,
+        handler = {"train": _train, "export-model": _export_model, "engine": _engine, "sidecar": _sidecar, "db": _db,
+                   "policy": _policy,
                    "report": _report}[args.cmd]
         return int(handler(args))
     except CLIError as e:
@@ -219,6 +234,14 @@ def _train(args: argparse.Namespace) -> int:
     with console.status(f"training into {out} (resumable state in {args.work_dir})"):
         train_all(args.work_dir, out_dir=out, scale=args.scale, threads=args.threads, log=console.print)
     console.print(f"checkpoints in {out}")
+    return 0
+
+
+def _export_model(args: argparse.Namespace) -> int:
+    from engine.hf_export import export_profile
+
+    for m in export_profile(args.profile, args.out, with_update=not args.no_update):
+        print(f"{m.path}: {m.what_it_is}")
     return 0
 
 

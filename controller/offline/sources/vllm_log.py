@@ -65,16 +65,36 @@ def parse_line(line: str, labels: SourceLabels) -> Parsed | None:
         return Parsed(skipped="idle", detail="no drafts in the interval", totals=totals)
     if accepted > drafted:
         raise SourceError("bad_log_line", f"Accepted {accepted} > Drafted {drafted}")
-    k = len(rates)
     mal = float(mal_s) if mal_s != "nan" else None
-    n = drafted // k
-    if drafted % k or (mal is not None and abs(1 + accepted / n - mal) > MAL_TOLERANCE):
+    k = _draft_length(rates, drafted, accepted, mal)
+    if k is None:
         return Parsed(skipped="mixed_draft_lengths", notes=("mixed_draft_lengths",), totals=totals,
-                      detail=(f"Drafted {drafted} is not {k} positions x drafts consistent with mean acceptance "
-                              f"length {mal_s}: drafts of several lengths (a batch-size schedule?)"))
+                      detail=(f"Drafted {drafted} is not k positions x drafts consistent with mean acceptance "
+                              f"length {mal_s} for any single k <= {len(rates)}: drafts of several lengths (a "
+                              "batch-size schedule?)"))
+    n = drafted // k
     totals["drafts"] = float(n)
-    counts = _counts(rates, n, accepted)
+    counts = _counts(rates[:k], n, accepted)
     return Parsed(acceptance=(acceptance_window(labels, UNKNOWN, hist_from_tail(n, counts)),), totals=totals)
+
+
+def _draft_length(rates: list[float], drafted: int, accepted: int, mal: float | None) -> int | None:
+    """The one draft length k every draft of the interval had, or None when no single k explains the line.
+
+    The line prints a rate for each of vLLM's ``num_speculative_tokens`` positions, but under a per-step k
+    (``num_speculative_tokens_per_batch_size``, or spectune's scheduler) every draft may be shorter: positions
+    past k then read 0. A k explains the line when no position past it accepted anything, ``Drafted`` is a
+    multiple of it, and the mean acceptance length ``1 + Accepted / (Drafted / k)`` agrees with the printed one;
+    the mean decides between the candidates, since the draft count differs for each. Without a printed mean
+    (``nan``) only k = all positions is taken, as vLLM's static setting.
+    """
+    top = len(rates)
+    while top > 1 and rates[top - 1] == 0.0:
+        top -= 1  # positions past the last nonzero rate may lie beyond every draft
+    candidates = range(len(rates), top - 1, -1) if mal is not None else (len(rates),)
+    fits = [k for k in candidates if drafted % k == 0
+            and (mal is None or abs(1 + accepted / (drafted // k) - mal) <= MAL_TOLERANCE)]
+    return fits[0] if len(fits) == 1 else None
 
 
 def _counts(rates: list[float], n: int, accepted: int) -> list[int]:

@@ -141,8 +141,9 @@ def parse_scrape(text: str, timestamp: float | None = None) -> Scrape:
                     sr.per_pos[pos] = value
                 elif name == RUNNING:
                     sr.running = value
-                else:
+                elif name.startswith(LATENCY_NAMES):
                     _latency(sr, name, lab, value)
+                # else: prometheus_client's ``*_created`` gauge beside each counter (the counter's start time)
     except SourceError:
         raise
     except (ValueError, TypeError, IndexError, KeyError) as e:  # what the text parser raises on bad input

@@ -1,0 +1,64 @@
+"""``spectune vllm serve [OPTIONS] [-- VLLM FLAGS]``: the command an operator runs in place of ``vllm serve``.
+
+Options this command does not know go to ``vllm serve`` as they are (``--max-num-seqs 64``, ``--enforce-eager``,
+...), after the ones it sets, so they win.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from controller.engines.vllm.serve import (
+    DEFAULT_K_MAX,
+    DEFAULT_KV_CACHE_GIB,
+    DEFAULT_MODELS_DIR,
+    DEFAULT_PORT,
+    DEFAULT_VLLM_VENV,
+    VllmServeConfig,
+    parse_extra,
+    serve,
+)
+from engine.profiles import DEFAULT_PROFILE, PROFILE_HELP, PROFILE_NAMES
+from telemetry.transport import DEFAULT_PREFIX
+
+
+def build_parser(redis_default: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="spectune vllm", description="vLLM steered by spectune.")
+    sub = ap.add_subparsers(dest="cmd", metavar="ACTION")
+    sub.required = True
+    p = sub.add_parser("serve", help="vllm serve with spectune's exported models, draft and scheduler; unknown "
+                                     "flags go to vllm serve")
+    p.add_argument("--profile", choices=PROFILE_NAMES, default=DEFAULT_PROFILE, help=PROFILE_HELP)
+    p.add_argument("--models-dir", type=Path, default=DEFAULT_MODELS_DIR,
+                   help="where the exported models live (exported there when missing)")
+    p.add_argument("--redis-url", default=redis_default, help="windows out, policy table in")
+    p.add_argument("--no-telemetry", action="store_true",
+                   help="no Redis: no round records and no table (fail-static at --default-k, or --fixed-k)")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="Redis names' prefix; must match the sidecar's")
+    p.add_argument("--engine-id", default="vllm-0", help="unique per engine process")
+    p.add_argument("--k-max", type=int, default=DEFAULT_K_MAX,
+                   help="vLLM's num_speculative_tokens: the largest k (match the sidecar's --k-max)")
+    p.add_argument("--default-k", type=int, default=None, help="fail-static k before a table arrives (default k-max)")
+    p.add_argument("--fixed-k", type=int, default=None, help="follow no table: draft this k every step")
+    p.add_argument("--no-speculation", action="store_true", help="plain vLLM: no draft, no spectune scheduler")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--kv-cache-gib", type=int, default=DEFAULT_KV_CACHE_GIB, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--status-file", type=Path, default=None, help="the scheduler appends JSON status lines here")
+    p.add_argument("--vllm-python", type=Path, default=None,
+                   help=f"Python of vLLM's environment (default {DEFAULT_VLLM_VENV}/bin/python, built by make vllm)")
+    return ap
+
+
+def main(argv: Sequence[str], redis_default: str, vllm_python: str | None = None) -> int:
+    args, extra = build_parser(redis_default).parse_known_args(list(argv))
+    py = args.vllm_python or (Path(vllm_python) if vllm_python else DEFAULT_VLLM_VENV / "bin" / "python")
+    cfg = VllmServeConfig(
+        profile=args.profile, models_dir=args.models_dir, k_max=args.k_max,
+        redis_url=None if args.no_telemetry else args.redis_url, prefix=args.prefix, engine_id=args.engine_id,
+        host=args.host, port=args.port, default_k=args.default_k, fixed_k=args.fixed_k,
+        speculate=not args.no_speculation, kv_cache_gib=args.kv_cache_gib, vllm_python=py,
+        status_path=args.status_file, extra_args=parse_extra(extra))
+    return serve(cfg)

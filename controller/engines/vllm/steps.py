@@ -1,0 +1,345 @@
+"""What spectune does in each vLLM step, without vLLM: pick the step's k from the table, record the step.
+
+vLLM (0.32 on) drafts one k for the whole batch each step (``SchedulerOutput.num_spec_tokens_to_schedule``; the
+drafter proposes that many tokens for every running request, verified in the next step). spectune's table holds
+a k per row bucket (request type, batch size, context length), so the batch's k is derived from its rows:
+
+**The batch rule.** Every decoding row of the step asks the table for its k (the same lookup the reference
+engine makes per row); the batch runs the **lower median** of those answers. At least half of the rows asked for
+this k or more and at least half for this k or less, so no minority type steers the batch; between two middle
+values the smaller wins, because a larger k costs every row's verification while only some rows gain from it.
+In a batch of one type this is that type's k; in a mixed batch it is the dominant type's k whenever that type
+holds more than half of the rows.
+
+**A step as a round.** One vLLM step verifies the drafts proposed in the previous step and proposes the next
+ones. Each decoding row becomes a :class:`~telemetry.records.RowRecord`: ``k`` = drafts verified for it this
+step, ``accepted`` = sampled tokens - 1, ``emitted`` = tokens actually appended (fewer when it stopped
+mid-draft). Rows still prefilling are not rows of the round. Times, from the scheduler's side of the step:
+
+- ``verify_s``: from the end of ``schedule()`` to the start of ``update_from_output()``: the worker's whole
+  forward, which in vLLM is the target's verification *and* the draft proposals for the next step (one call, so
+  the two are not separable from the scheduler; ``draft_s`` is 0 and cost models see their sum);
+- ``prefill_s``: the share of that forward spent on prompt tokens, split by token count (prefill work is
+  token-parallel and a step's prompt tokens are most of its tokens when present);
+- ``other_s``: the scheduler's own work, ``schedule()`` plus ``update_from_output()``.
+
+Nothing here imports vLLM or torch; :mod:`controller.engines.vllm.scheduler` feeds it plain values.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from controller.client import ClientConfig, EngineHooks, PolicyClient, build_engine_hooks
+from telemetry.emitter import EmitterConfig
+from telemetry.records import MAX_DRAFT_LEN, WILDCARD, RecordError, RoundRecord, RowRecord
+from telemetry.transport import DEFAULT_PREFIX
+from telemetry.wire import check_label
+
+ADDITIONAL_CONFIG_KEY = "spectune"  # vLLM's --additional-config {"spectune": {...}} carries VllmSpectuneConfig
+TYPE_ARG = "request_type"  # SamplingParams.extra_args key; the OpenAI API sends it as "vllm_xargs"
+MAX_REQUEST_TYPES = 64  # distinct request types one engine reports; clients choose them, so past this they fold
+STATUS_EVERY_S = 5.0  # seconds between status lines
+
+
+@dataclass(frozen=True)
+class VllmSpectuneConfig:
+    """spectune inside one vLLM engine. Passed as ``--additional-config '{"spectune": {...}}'``."""
+
+    target_version: str  # version ids of the served models, as spectune's telemetry and table name them
+    draft_version: str
+    k_max: int  # vLLM's num_speculative_tokens: the most drafts it has buffers and KV lookahead for
+    engine_id: str = "vllm-0"  # unique per engine process (idempotency key of its windows)
+    redis_url: str | None = None  # windows out, table in; None: no telemetry, the table only by fixed_k/default_k
+    prefix: str = DEFAULT_PREFIX  # must match the sidecar's
+    default_k: int | None = None  # fail-static k before a table arrives; None: k_max, vLLM's own static setting
+    fixed_k: int | None = None  # follow no table: every step drafts this k (static baselines on the same path)
+    window_s: float = 0.25  # emitter window
+    refresh_s: float = 1.0  # policy client's timer refresh under the pub/sub nudge
+    type_arg: str = TYPE_ARG  # which SamplingParams.extra_args key holds the request type
+    max_request_types: int = MAX_REQUEST_TYPES
+    status_path: str | None = None  # append a JSON status line here every status_every_s (None: log only)
+    status_every_s: float = STATUS_EVERY_S
+
+    def __post_init__(self) -> None:
+        for name in ("target_version", "draft_version", "engine_id"):
+            try:
+                check_label(getattr(self, name), f"spectune.{name}")
+            except RecordError as e:
+                raise ValueError(e.detail) from None
+        if not 1 <= self.k_max <= MAX_DRAFT_LEN:
+            raise ValueError(f"spectune.k_max must be in [1, {MAX_DRAFT_LEN}] (vLLM's num_speculative_tokens), "
+                             f"got {self.k_max}")
+        for name in ("default_k", "fixed_k"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= self.k_max:
+                raise ValueError(f"spectune.{name} must be in [0, k_max={self.k_max}], got {v}")
+        if self.window_s <= 0 or self.refresh_s <= 0 or self.status_every_s <= 0:
+            raise ValueError("spectune.window_s, refresh_s and status_every_s must be > 0")
+        if self.max_request_types < 1:
+            raise ValueError("spectune.max_request_types must be >= 1")
+        if not self.type_arg:
+            raise ValueError("spectune.type_arg must name an extra_args key")
+
+    @property
+    def start_k(self) -> int:
+        return self.k_max if self.default_k is None else self.default_k
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any], k_max: int | None = None) -> VllmSpectuneConfig:
+        """Build from the ``spectune`` entry of vLLM's additional config; ``k_max`` fills in vLLM's own value.
+
+        Raises:
+            ValueError: an unknown key, a missing required one, or a value out of range (the message says which).
+        """
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"--additional-config's {ADDITIONAL_CONFIG_KEY!r} entry must be an object, "
+                             f"got {type(raw).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown spectune settings {unknown}; known: {sorted(known)}")
+        values = dict(raw)
+        if k_max is not None:
+            if "k_max" in values and values["k_max"] != k_max:
+                raise ValueError(f"spectune.k_max={values['k_max']} disagrees with vLLM's num_speculative_tokens="
+                                 f"{k_max}; leave it out")
+            values["k_max"] = k_max
+        missing = sorted(f.name for f in fields(cls) if f.name not in values and f.name in _REQUIRED)
+        if missing:
+            raise ValueError(f"spectune settings missing: {missing}")
+        return cls(**values)
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
+
+
+_REQUIRED = ("target_version", "draft_version", "k_max")
+
+
+def batch_k(row_ks: Sequence[int]) -> int:
+    """The batch's k from its rows' k: the lower median (see the module docstring).
+
+    Args:
+        row_ks: ``[R]`` the table's k for each decoding row of the step (R >= 1).
+    """
+    s = sorted(row_ks)
+    return s[(len(s) - 1) // 2]
+
+
+@dataclass(frozen=True)
+class RowAtSchedule:
+    """A request as the scheduler saw it when it scheduled the step (before the forward)."""
+
+    request_type: str
+    context_len: int  # prompt + output tokens before this step's tokens
+    decoding: bool  # False: a prompt chunk (prefill, or recomputation after preemption)
+    outputs_before: int  # output tokens before this step
+
+
+@dataclass(frozen=True)
+class RowOutcome:
+    """What the step did for a decoding request."""
+
+    drafts: int  # draft tokens verified for it this step (its k)
+    sampled: int  # tokens the sampler returned for it (accepted + 1), before stop handling
+    outputs_after: int  # output tokens after this step (stop strings and max_tokens applied)
+
+
+@dataclass
+class BridgeCounters:
+    """What the bridge did, for operators and the overhead figure."""
+
+    steps: int = 0  # steps that scheduled tokens
+    rounds: int = 0  # steps recorded as rounds (with at least one decoding row)
+    k_set: int = 0  # steps whose k came from the table or fixed_k
+    rows_skipped: int = 0  # decoding rows without sampled tokens (aborted mid-step)
+    added_s: float = 0.0  # seconds spent in spectune's code inside schedule() and update_from_output()
+    step_s: float = 0.0  # seconds of whole steps (schedule start to update end)
+    model_s: float = 0.0  # seconds of the worker's forwards
+    bad_request_types: int = 0  # request types refused by the label rule (reported as "*")
+    folded_request_types: int = 0  # rows whose new type came past max_request_types (reported as "*")
+    last_bad_request_type: str | None = None
+    last_status_error: str | None = None
+    k_counts: dict[int, int] | None = None  # steps per chosen k
+
+
+class VllmStepBridge:
+    """The per-step logic of :class:`~controller.engines.vllm.scheduler.SpectuneScheduler`, without vLLM.
+
+    Args:
+        config: the engine's settings.
+        hooks: the policy client and emitter (None: built from ``config.redis_url``; a table-less client when
+            that is None too).
+    """
+
+    def __init__(self, config: VllmSpectuneConfig, hooks: EngineHooks | None = None,
+                 report: Callable[[dict[str, Any]], None] | None = None, start: bool = True) -> None:
+        self.config = config
+        client_cfg = ClientConfig(target_version=config.target_version, draft_version=config.draft_version,
+                                  default_k=config.start_k, k_max=config.k_max, redis_url=config.redis_url,
+                                  prefix=config.prefix, refresh_s=config.refresh_s)
+        if hooks is None and config.redis_url is not None:  # a fixed_k baseline reports its rounds too
+            hooks = build_engine_hooks(client_cfg, EmitterConfig(engine_id=config.engine_id,
+                                                                 interval_s=config.window_s))
+        self.hooks = hooks
+        self.client: PolicyClient = hooks.client if hooks is not None else PolicyClient(client_cfg, start=False)
+        self._decide = self.client.decide
+        self._types: set[str] = set()
+        self.counters = BridgeCounters(k_counts={})
+        self._round_index = 0
+        self._report = report
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if start and (config.status_path or report is not None):  # reports while idle too, off the step path
+            self._thread = threading.Thread(target=self._status_loop, name="spectune-vllm-status", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------------------------ request type
+    def request_type(self, extra_args: Mapping[str, Any] | None) -> str:
+        """The request's type from its extra args: ``*`` when absent, refused by the label rule, or new past the
+        cap (each counted)."""
+        if not extra_args:
+            return WILDCARD
+        raw = extra_args.get(self.config.type_arg)
+        if raw is None:
+            return WILDCARD
+        if type(raw) is str and raw in self._types:  # vllm_xargs values may be lists or numbers: never hash them
+            return raw
+        try:
+            name = check_label(raw, "request type")
+        except RecordError:
+            self.counters.bad_request_types += 1
+            self.counters.last_bad_request_type = repr(raw)[:80]
+            return WILDCARD
+        if len(self._types) >= self.config.max_request_types:
+            self.counters.folded_request_types += 1
+            return WILDCARD
+        self._types.add(name)
+        return name
+
+    # ------------------------------------------------------------------------------------------ decide
+    def choose_k(self, rows: Sequence[RowAtSchedule], batch_size: int) -> int:
+        """The k the batch drafts next: ``fixed_k``, or the batch rule over the decoding rows' table answers.
+
+        Args:
+            rows: the scheduled requests (prefilling ones included: they draft after their last chunk).
+            batch_size: the requests scheduled this step (what vLLM's own batch-size table is indexed by).
+        """
+        cfg = self.config
+        if cfg.fixed_k is not None:
+            k = cfg.fixed_k
+        elif not rows:
+            k = cfg.start_k
+        else:
+            decide = self._decide
+            k = batch_k([decide(r.request_type, batch_size, r.context_len) for r in rows])
+        k = min(k, cfg.k_max)
+        counts = self.counters.k_counts
+        assert counts is not None
+        counts[k] = counts.get(k, 0) + 1
+        self.counters.k_set += 1
+        return k
+
+    # ------------------------------------------------------------------------------------------ record
+    def round_record(self, rows: Sequence[tuple[RowAtSchedule, RowOutcome | None]], *, schedule_s: float,
+                     model_s: float, update_s: float, prefill_tokens: int, total_tokens: int,
+                     timestamp: float) -> RoundRecord | None:
+        """The step as a round (None when no row was decoding: a prefill-only step).
+
+        Args:
+            rows: each scheduled request with its outcome (None when it sampled nothing).
+            schedule_s, model_s, update_s: the step's parts, in seconds (see the module docstring).
+            prefill_tokens, total_tokens: prompt tokens and all tokens the step scheduled.
+        """
+        c = self.counters
+        c.steps += 1
+        c.model_s += model_s
+        c.step_s += schedule_s + model_s + update_s
+        out: list[RowRecord] = []
+        for at, res in rows:
+            if not at.decoding:
+                continue
+            if res is None or res.sampled <= 0:
+                c.rows_skipped += 1
+                continue
+            k = res.drafts
+            accepted = min(res.sampled - 1, k)
+            emitted = max(0, min(res.outputs_after - at.outputs_before, accepted + 1))
+            out.append(RowRecord(at.request_type, at.context_len, k, accepted, emitted))
+        if not out:
+            return None
+        share = prefill_tokens / total_tokens if total_tokens > 0 else 0.0
+        max_k = max(r.k for r in out)
+        self._round_index += 1
+        c.rounds += 1
+        return RoundRecord(
+            round_index=self._round_index, batch_size=len(out), max_k=max_k,
+            tokens_verified=sum(r.k + 1 for r in out), draft_s=0.0, verify_s=model_s * (1.0 - share),
+            other_s=schedule_s + update_s, prefill_s=model_s * share,
+            target_version=self.config.target_version, draft_version=self.config.draft_version,
+            rows=tuple(out), timestamp=timestamp,
+        )
+
+    def record(self, round_: RoundRecord) -> None:
+        if self.hooks is not None:
+            self.hooks.record(round_)
+
+    # ------------------------------------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        """Counters, the policy client's state and the overhead share, JSON-safe."""
+        c = self.counters
+        st = self.client.status()
+        em = self.hooks.emitter.stats() if self.hooks is not None and self.hooks.emitter is not None else None
+        return {
+            "t": time.time(), "engine_id": self.config.engine_id, "steps": c.steps, "rounds": c.rounds,
+            "k_counts": {str(k): n for k, n in sorted(dict(c.k_counts or {}).items())},  # copied: steps add keys
+            "added_s": c.added_s, "step_s": c.step_s, "model_s": c.model_s,
+            "overhead_share": c.added_s / c.step_s if c.step_s > 0 else 0.0,
+            "rows_skipped": c.rows_skipped, "bad_request_types": c.bad_request_types,
+            "folded_request_types": c.folded_request_types, "last_bad_request_type": c.last_bad_request_type,
+            "request_types": sorted(set(self._types)), "last_status_error": c.last_status_error,
+            "policy": {"mode": st.mode, "version": st.version, "fail_static": st.fail_static,
+                       "rejected": st.rejected, "detail": st.detail, "last_error": st.last_error},
+            "emitter": None if em is None else {"rounds_recorded": em.rounds_recorded,
+                                                "rounds_rejected": em.rounds_rejected,
+                                                "windows_sent": em.windows_sent,
+                                                "windows_dropped": em.windows_dropped,
+                                                "last_error": em.last_error},
+        }
+
+    def _status_loop(self) -> None:
+        reported = -1
+        while not self._stop.wait(self.config.status_every_s):
+            try:
+                st = self.write_status()
+                if self._report is not None and st["steps"] != reported:  # an idle engine logs nothing new
+                    reported = st["steps"]
+                    self._report(st)
+            except Exception as e:  # a full disk or a logging failure must not stop the engine
+                self.counters.last_status_error = f"{type(e).__name__}: {e}"
+
+    def write_status(self, final: bool = False) -> dict[str, Any]:
+        """Append a status line to ``status_path`` (when set); returns the status."""
+        st = self.status() | ({"final": True} if final else {})
+        if self.config.status_path:
+            with Path(self.config.status_path).open("a") as f:
+                f.write(json.dumps(st) + "\n")
+        return st
+
+    def close(self) -> None:
+        """Flush telemetry, stop following the table, write a final status line."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        if self.hooks is not None:
+            self.hooks.close()
+        else:
+            self.client.close()
+        self.write_status(final=True)

@@ -1,0 +1,220 @@
+"""spectune steering a real ``vllm serve``: exactness under live k changes, telemetry, the table, real output.
+
+One server for the module (``vllm_server`` in conftest.py); the tests publish policy tables to its Redis prefix
+with ever higher versions, as the sidecar does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+from live_server import Server
+
+from controller.service.publish import RedisPublisher
+from engine.checkpoint import TARGET_V1, load_checkpoint
+from engine.model import BOS_ID, EOS_ID
+from telemetry.records import PolicyTable, WindowBatch
+from telemetry.transport import PAYLOAD_FIELD, RedisKeys
+from telemetry.wire import decode_batch
+
+PROMPTS = {
+    "code": ["def parse_args(argv):\n    ", "class Queue:\n    def __init__(self", "import os\n\nfor name in "],
+    "prose": ["The module provides functions for ", "This section describes how the "],
+    "structured": ['{"id": 17, "name": "'],
+}
+_versions = itertools.count(1)
+
+
+def publish(server: Server, default_k: int, entries: dict[str, int] | None = None) -> int:
+    v = next(_versions)
+    pub = RedisPublisher(server.redis_url, server.prefix)
+    try:
+        pub.publish(PolicyTable(version=v, default_k=default_k, k_max=8, entries=entries or {},
+                                created_at=time.time(), reason="test"))
+    finally:
+        pub.close()
+    return v
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def policy_version(server: Server) -> int | None:
+    st = server.statuses()
+    return st[-1]["policy"]["version"] if st else None
+
+
+def windows_since(server: Server, last_id: str) -> tuple[list[WindowBatch], str]:
+    r = redis.Redis.from_url(server.redis_url)
+    try:
+        entries = r.xrange(RedisKeys(server.prefix).windows, min=f"({last_id}" if last_id != "-" else "-")
+    finally:
+        r.close()
+    out = [decode_batch(fields[PAYLOAD_FIELD.encode()]) for _, fields in entries]
+    return out, (entries[-1][0].decode() if entries else last_id)
+
+
+def reference_greedy(prompt: str, n: int) -> list[int]:
+    """target-v1's greedy continuation by spectune's own forward (no cache, no draft)."""
+    model = _reference_model()
+    toks = [BOS_ID, *prompt.encode()]
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(model(torch.tensor([toks]))[0, -1].argmax())
+            out.append(t)
+            toks.append(t)
+            if t == EOS_ID:
+                break
+    return out
+
+
+_model: Any = None
+
+
+def _reference_model() -> Any:
+    global _model
+    if _model is None:
+        _model = load_checkpoint(TARGET_V1)
+    return _model
+
+
+def test_greedy_output_under_live_k_changes_equals_plain_greedy(vllm_server: Server) -> None:
+    """Tables flipping k (0 included: speculation off) while requests decode; output is the target's greedy."""
+    n_tokens = 96
+    cases = [(t, p) for t, ps in PROMPTS.items() for p in ps]
+    expected = {p: reference_greedy(p, n_tokens) for _, p in cases}
+    _, mark = windows_since(vllm_server, "-")
+    stop = threading.Event()
+    ks = itertools.cycle([0, 5, 1, 8, 0, 3, 2])
+
+    def flip() -> None:
+        while not stop.is_set():
+            publish(vllm_server, next(ks))
+            stop.wait(0.04)
+
+    flipper = threading.Thread(target=flip, daemon=True)
+    flipper.start()
+    try:
+        with ThreadPoolExecutor(len(cases)) as pool:
+            for _wave in range(3):
+                got = list(pool.map(lambda c: vllm_server.complete(c[1], n_tokens, c[0]), cases))
+                for (_, p), res in zip(cases, got, strict=True):
+                    assert res["choices"][0]["token_ids"] == expected[p], p
+    finally:
+        stop.set()
+        flipper.join(5)
+    time.sleep(1.0)  # the emitter ships every 0.25 s
+    batches, _ = windows_since(vllm_server, mark)
+    ks_seen = {w.k for b in batches for w in b.acceptance}
+    assert 0 in ks_seen and len(ks_seen - {0}) >= 2, f"k did not change live: {sorted(ks_seen)}"
+
+
+def test_rounds_reach_redis_as_windows_by_request_type(vllm_server: Server) -> None:
+    v = publish(vllm_server, 3)
+    wait_for(lambda: policy_version(vllm_server) == v, 30, "the engine to follow the table")
+    _, mark = windows_since(vllm_server, "-")
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda c: vllm_server.complete(c[1], 48, c[0]),
+                      [("code", PROMPTS["code"][0]), ("prose", PROMPTS["prose"][0]), (None, "x = 1\n"),
+                       ("structured", PROMPTS["structured"][0])]))
+    time.sleep(1.0)
+    batches, _ = windows_since(vllm_server, mark)
+    assert batches and all(b.engine_id == "vllm-test" for b in batches)
+    acc = [w for b in batches for w in b.acceptance]
+    assert {w.request_type for w in acc} >= {"code", "prose", "structured", "*"}  # "*": the request named none
+    assert {(w.target_version, w.draft_version) for w in acc} == {("target-v1", "draft-v1")}
+    assert {w.k for w in acc} == {3}
+    assert all(w.accepted <= w.drafted == w.rows * 3 for w in acc)
+    cost = [w for b in batches for w in b.cost]
+    assert cost and all(w.verify_s.total > 0 and w.max_k == 3 for w in cost)
+
+
+def test_the_table_sets_k_per_request_type(vllm_server: Server) -> None:
+    v = publish(vllm_server, 2, {"target-v1|draft-v1|code|*|*": 6, "target-v1|draft-v1|prose|*|*": 0})
+    wait_for(lambda: policy_version(vllm_server) == v, 30, "the engine to follow the table")
+    _, mark = windows_since(vllm_server, "-")
+    for rtype in ("code", "prose", "structured"):  # one type at a time: each batch is of one type
+        vllm_server.complete(PROMPTS[rtype][0], 40, rtype)
+    time.sleep(1.0)
+    batches, _ = windows_since(vllm_server, mark)
+    by_type = {(w.request_type, w.k) for b in batches for w in b.acceptance}
+    assert {("code", 6), ("prose", 0), ("structured", 2)} <= by_type
+    assert not {t for t, k in by_type if (t, k) not in {("code", 6), ("prose", 0), ("structured", 2)}}
+
+
+def test_a_bad_request_type_is_served_counted_and_reported_as_wildcard(vllm_server: Server) -> None:
+    before = vllm_server.statuses()[-1]["bad_request_types"]
+    for bad in ("a|b", "x" * 100, ["code", "prose"]):
+        res = vllm_server.complete("print(", 8, bad)
+        assert len(res["choices"][0]["token_ids"]) == 8
+    wait_for(lambda: vllm_server.statuses()[-1]["bad_request_types"] >= before + 3, 30, "the count")
+    st = vllm_server.statuses()[-1]
+    assert "code" in st["last_bad_request_type"]
+    assert 0 < st["overhead_share"] < 1  # measured every step; `spectune bench vllm` reports the figure
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_real_metrics_scrape_and_log_lines_ingest(vllm_server: Server, tmp_path: Path) -> None:
+    """What this vLLM printed and exposed, fed to `spectune ingest`: windows stored, k as drafted."""
+    v = publish(vllm_server, 4)
+    wait_for(lambda: policy_version(vllm_server) == v, 30, "the engine to follow the table")
+    time.sleep(1.2)  # let the previous interval's log line go out before the baseline scrape
+    scrapes = [(time.time(), vllm_server.metrics())]
+    log_start = len(vllm_server.log.read_text(errors="replace").splitlines())
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda p: vllm_server.complete(p, 64, "code"), PROMPTS["code"] + PROMPTS["prose"][:1]))
+    time.sleep(2.5)  # VLLM_LOG_STATS_INTERVAL=1: the interval's SpecDecoding line
+    scrapes.append((time.time(), vllm_server.metrics()))
+    prom = tmp_path / "metrics.prom"
+    prom.write_text("".join(f"# SCRAPE {ts}\n{text}" for ts, text in scrapes))
+    assert "vllm:spec_decode_num_drafts_created" in scrapes[-1][1]  # the gauges that used to crash the parser
+    lines = [x for x in vllm_server.log.read_text(errors="replace").splitlines()[log_start:]
+             if "SpecDecoding metrics:" in x]
+    assert lines, "vLLM logged no SpecDecoding metrics line"
+    log = tmp_path / "vllm.log"
+    log.write_text("\n".join(lines) + "\n")
+
+    db = f"sqlite:///{tmp_path / 'ingest.sqlite'}"
+    out = tmp_path / "prom.json"
+    res = run_cli("ingest", "vllm-prom", str(prom), "--db-url", db, "--auto-upgrade", "--summary-json", str(out),
+                  "--draft-version", "draft-v1")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(out.read_text())
+    assert summary["acceptance_windows"] >= 1, summary
+    out_log = tmp_path / "log.json"
+    res = run_cli("ingest", "vllm-log", str(log), "--model", "target-v1", "--db-url", db, "--summary-json",
+                  str(out_log), "--draft-version", "draft-v1")
+    assert res.returncode == 0, res.stderr
+    summary_log = json.loads(out_log.read_text())
+    assert summary_log["acceptance_windows"] >= 1, summary_log
+
+    from telemetry.store import Store
+
+    store = Store(db)
+    try:
+        ks = {sw.window.k for sw in store.acceptance_windows()}
+    finally:
+        store.close()
+    assert ks == {4}, ks  # both sources agree with the k the table set

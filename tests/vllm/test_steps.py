@@ -1,0 +1,150 @@
+"""The per-step logic of spectune inside vLLM, without vLLM: config, the batch rule, request types, round records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from controller.engines.vllm.steps import (
+    RowAtSchedule,
+    RowOutcome,
+    VllmSpectuneConfig,
+    VllmStepBridge,
+    batch_k,
+)
+from telemetry.records import PolicyTable
+from telemetry.wire import check_round
+
+V = {"target_version": "target-v1", "draft_version": "draft-v1"}
+
+
+def bridge(**kw: object) -> VllmStepBridge:
+    return VllmStepBridge(VllmSpectuneConfig(**(V | {"k_max": 8} | kw)))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------ config
+def test_config_from_additional_config_takes_k_max_from_vllm() -> None:
+    cfg = VllmSpectuneConfig.from_mapping(V | {"redis_url": "redis://127.0.0.1:6379/0"}, k_max=5)
+    assert cfg.k_max == 5 and cfg.start_k == 5  # fail-static at vLLM's own static setting
+    assert VllmSpectuneConfig.from_mapping(json.loads(cfg.to_json()), k_max=5) == cfg
+
+
+@pytest.mark.parametrize(("raw", "words"), [
+    (V | {"k_maxx": 3}, "unknown spectune settings ['k_maxx']"),
+    ({"target_version": "t"}, "missing: ['draft_version']"),
+    (V | {"k_max": 3}, "disagrees with vLLM's num_speculative_tokens=5"),
+    (V | {"fixed_k": 6}, "fixed_k must be in [0, k_max=5]"),
+    (V | {"target_version": "a|b"}, "must not contain '|'"),
+    ([1, 2], "must be an object"),
+])
+def test_bad_settings_are_refused_with_the_reason(raw: object, words: str) -> None:
+    with pytest.raises(ValueError) as e:
+        VllmSpectuneConfig.from_mapping(raw, k_max=5)  # type: ignore[arg-type]
+    assert words in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------ batch rule
+@pytest.mark.parametrize(("ks", "k"), [
+    ([4], 4),
+    ([0, 5], 0),  # between two middle values the smaller: a larger k costs every row
+    ([0, 3, 5], 3),
+    ([5, 5, 5, 0, 0], 5),  # the dominant type's k when it holds more than half of the rows
+    ([0, 0, 5, 5, 5, 2], 2),
+    ([2, 2, 0, 0], 0),
+])
+def test_batch_k_is_the_lower_median(ks: list[int], k: int) -> None:
+    assert batch_k(ks) == k
+
+
+def test_choose_k_asks_the_table_per_row_and_applies_the_batch_rule() -> None:
+    b = bridge(default_k=1)
+    rows = [RowAtSchedule("code", 100, True, 10)] * 3 + [RowAtSchedule("prose", 3000, True, 10)] * 2
+    assert b.choose_k(rows, 5) == 1  # fail-static: every row answers default_k
+    b.client.apply(PolicyTable(version=1, default_k=1, k_max=8, entries={
+        "target-v1|draft-v1|code|8|<=512": 6, "target-v1|draft-v1|prose|*|*": 0}))
+    assert b.choose_k(rows, 5) == 6  # code holds 3 of 5 rows at batch bucket 8
+    assert b.choose_k(rows[:2] + rows[3:], 4) == 0  # 2 code rows at bucket 4 (default 1), 2 prose rows (0)
+    assert b.counters.k_counts == {1: 1, 6: 1, 0: 1}
+
+
+def test_fixed_k_follows_no_table_and_k_never_exceeds_k_max() -> None:
+    b = bridge(fixed_k=3)
+    b.client.apply(PolicyTable(version=1, default_k=8, k_max=8))
+    assert b.choose_k([RowAtSchedule("code", 10, True, 0)], 1) == 3
+
+
+# ---------------------------------------------------------------------------------------- request type
+def test_request_type_from_extra_args_absent_is_wildcard() -> None:
+    b = bridge()
+    assert b.request_type(None) == "*"
+    assert b.request_type({}) == "*"
+    assert b.request_type({"other": 1}) == "*"
+    assert b.request_type({"request_type": "code"}) == "code"
+
+
+@pytest.mark.parametrize("bad", ["a|b", "", "x" * 65, "nul\x00", 7, ["code"]])
+def test_a_bad_request_type_is_counted_and_reported_as_wildcard(bad: object) -> None:
+    b = bridge()
+    assert b.request_type({"request_type": bad}) == "*"
+    assert b.counters.bad_request_types == 1
+    assert b.status()["last_bad_request_type"] == repr(bad)[:80]
+
+
+def test_request_types_past_the_cap_fold_into_the_wildcard() -> None:
+    b = bridge(max_request_types=2)
+    assert [b.request_type({"request_type": t}) for t in ("a", "b", "c", "a")] == ["a", "b", "*", "a"]
+    assert b.counters.folded_request_types == 1
+
+
+# -------------------------------------------------------------------------------------------- records
+def test_a_step_becomes_a_valid_round_with_packed_tokens_and_prefill_apart() -> None:
+    b = bridge()
+    rows = [
+        (RowAtSchedule("code", 120, True, 20), RowOutcome(drafts=3, sampled=4, outputs_after=24)),  # all kept
+        (RowAtSchedule("prose", 80, True, 5), RowOutcome(drafts=3, sampled=1, outputs_after=6)),  # first rejected
+        (RowAtSchedule("code", 60, True, 7), RowOutcome(drafts=3, sampled=3, outputs_after=8)),  # stopped at EOS
+        (RowAtSchedule("*", 500, False, 0), RowOutcome(drafts=0, sampled=1, outputs_after=1)),  # last prompt chunk
+        (RowAtSchedule("code", 90, True, 3), None),  # aborted mid-step
+    ]
+    r = b.round_record(rows, schedule_s=0.001, model_s=0.040, update_s=0.002, prefill_tokens=500,
+                       total_tokens=512, timestamp=1.0e9)
+    assert r is not None
+    check_round(r)
+    assert [(x.request_type, x.context_len, x.k, x.accepted, x.emitted) for x in r.rows] == [
+        ("code", 120, 3, 3, 4), ("prose", 80, 3, 0, 1), ("code", 60, 3, 2, 1)]
+    assert (r.batch_size, r.max_k, r.tokens_verified) == (3, 3, 12)
+    assert r.prefill_s == pytest.approx(0.040 * 500 / 512)
+    assert r.verify_s == pytest.approx(0.040 * 12 / 512)
+    assert r.draft_s == 0.0 and r.other_s == pytest.approx(0.003)
+    assert b.counters.rows_skipped == 1
+
+
+def test_a_prefill_only_step_is_no_round() -> None:
+    b = bridge()
+    rows = [(RowAtSchedule("code", 300, False, 0), None)]
+    assert b.round_record(rows, schedule_s=0.001, model_s=0.01, update_s=0.001, prefill_tokens=300,
+                          total_tokens=300, timestamp=1.0e9) is None
+    assert b.counters.steps == 1 and b.counters.rounds == 0
+
+
+def test_k_zero_rows_are_plain_decoding_rounds() -> None:
+    b = bridge()
+    r = b.round_record([(RowAtSchedule("code", 10, True, 1), RowOutcome(0, 1, 2))], schedule_s=1e-4,
+                       model_s=0.01, update_s=1e-4, prefill_tokens=0, total_tokens=1, timestamp=1.0e9)
+    assert r is not None and (r.max_k, r.tokens_verified, r.rows[0].accepted, r.rows[0].emitted) == (0, 1, 0, 1)
+    check_round(r)
+
+
+def test_status_reports_counters_policy_and_overhead_share(tmp_path: object) -> None:
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "status.jsonl"
+    b = bridge(status_path=str(path))
+    b.counters.added_s, b.counters.step_s = 0.001, 0.1
+    b.write_status()
+    b.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines[0]["overhead_share"] == pytest.approx(0.01)
+    assert lines[0]["policy"]["fail_static"] is True
+    assert lines[-1]["final"] is True
