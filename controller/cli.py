@@ -30,7 +30,7 @@ from engine.profiles import DEFAULT_PROFILE, PROFILE_HELP, PROFILE_NAMES
 from telemetry.urls import redact_url
 
 EXIT_USAGE = 2  # bad arguments and expected failures, as argparse uses
-BENCHES = ("engine", "telemetry", "policies", "controller", "tuning", "drift", "faults")
+BENCHES = ("engine", "telemetry", "policies", "controller", "tuning", "drift", "faults", "vllm")
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_DB_URL = "sqlite:///spectune.sqlite"
 DEFAULT_HTTP_PORT = 8742

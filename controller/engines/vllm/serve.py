@@ -63,6 +63,8 @@ class VllmServeConfig:
     default_k: int | None = None  # fail-static k (None: k_max)
     fixed_k: int | None = None  # follow no table: every step drafts this k
     speculate: bool = True  # False: plain vLLM, no draft, no spectune scheduler (the k = 0 baseline)
+    steer: bool = True  # False: vLLM's own scheduler with a static k_max or native_schedule (baselines)
+    native_schedule: tuple[tuple[int, int, int], ...] | None = None  # num_speculative_tokens_per_batch_size
     kv_cache_gib: int = DEFAULT_KV_CACHE_GIB
     vllm_python: Path = DEFAULT_VLLM_VENV / "bin" / "python"
     status_path: Path | None = None  # the scheduler appends JSON status lines here
@@ -138,13 +140,17 @@ def vllm_command(cfg: VllmServeConfig, models: ServedModels, cuda: bool = False)
            "--dtype", "bfloat16" if cuda else "float32",  # CPU: fp32, as spectune's engine; CUDA: bf16
            "--seed", "0"]
     if cfg.speculate:
-        spec = {"method": "draft_model", "model": str(models.draft), "num_speculative_tokens": cfg.k_max}
-        sc = cfg.spectune_config((models.target_version, models.draft_version))
-        cmd += ["--speculative-config", json.dumps(spec),
-                "--scheduler-cls", SCHEDULER_CLS,
-                "--additional-config", json.dumps({ADDITIONAL_CONFIG_KEY: json.loads(sc.to_json())})]
-        if cuda:
-            cmd.append("--no-async-scheduling")  # SpectuneScheduler pairs each schedule() with its own output
+        spec: dict[str, Any] = {"method": "draft_model", "model": str(models.draft),
+                                "num_speculative_tokens": cfg.k_max}
+        if cfg.native_schedule is not None:
+            spec["num_speculative_tokens_per_batch_size"] = [list(e) for e in cfg.native_schedule]
+        cmd += ["--speculative-config", json.dumps(spec)]
+        if cfg.steer:
+            sc = cfg.spectune_config((models.target_version, models.draft_version))
+            cmd += ["--scheduler-cls", SCHEDULER_CLS,
+                    "--additional-config", json.dumps({ADDITIONAL_CONFIG_KEY: json.loads(sc.to_json())})]
+            if cuda:
+                cmd.append("--no-async-scheduling")  # SpectuneScheduler pairs each schedule() with its output
     return cmd + list(cfg.extra_args)
 
 

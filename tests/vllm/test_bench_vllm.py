@@ -1,0 +1,59 @@
+"""``spectune bench vllm``'s arithmetic on hand-made measurements: phase figures, medians, the ceiling, targets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench.vllm import median_runs, overall, verdict
+from bench.vllm_load import LoadPhase, _Request, summarise
+
+
+def test_a_phase_counts_tokens_inside_its_window_and_tpot_of_finished_requests() -> None:
+    a = _Request(started=0.0, first=0.5, end=2.5, tokens=5, arrivals=[(0.5, 1), (1.0, 3), (2.5, 5)])
+    b = _Request(started=1.0, first=1.5, end=12.0, tokens=9, arrivals=[(1.5, 2), (9.0, 6), (12.0, 9)])  # spills over
+    c = _Request(started=2.0, error="HTTP 500")
+    r = summarise(LoadPhase("p", 2, 10.0), [a, b, c], 0.0, 10.0)
+    assert r.tokens == 5 + 6  # b's last 3 tokens arrived after the window
+    assert (r.requests, r.completed, r.errors) == (3, 2, 1)
+    assert r.tok_s == pytest.approx(1.1)
+    assert r.tpot_p50 == pytest.approx((0.5 + 10.5 / 8) / 2)  # TPOT = (end - first) / (tokens - 1)
+
+
+def ph(tok_s: float, p99: float, secs: float = 10.0) -> dict[str, Any]:
+    return {"name": "p", "concurrency": 1, "tok_s": tok_s, "tokens": tok_s * secs, "seconds": secs,
+            "tpot_p50": p99 / 2, "tpot_p99": p99}
+
+
+def test_medians_over_repeats_per_phase() -> None:
+    runs = [[ph(10, 0.1), ph(50, 0.3)], [ph(12, 0.2), ph(40, 0.1)], [ph(11, 0.4), ph(45, 0.2)]]
+    m = median_runs(runs)
+    assert [x["tok_s"] for x in m] == [11, 45]
+    assert [x["tpot_p99"] for x in m] == [0.2, 0.2]
+    assert overall(runs[0]) == pytest.approx(30.0)
+
+
+def test_the_ceiling_and_spectunes_share_of_it() -> None:
+    # Two phases of equal length: k5 wins the first (batch 1), k0 the second (high batch).
+    per = {
+        "k0": [ph(40, 0.02), ph(400, 0.08)],
+        "k3": [ph(80, 0.02), ph(380, 0.09)],
+        "k5": [ph(100, 0.02), ph(300, 0.12)],
+        "spectune": [ph(95, 0.021), ph(395, 0.085)],
+    }
+    cfg = {c: {"phases": p, "overall_tok_s": overall(p)} for c, p in per.items()}
+    v = verdict(cfg)
+    assert v["best_static_per_phase"] == ["k5", "k0"]
+    assert v["best_single_static"] == "k3"  # 230 tok/s over both phases, k0 220, k5 200
+    assert v["ceiling_over_best_static"] == pytest.approx(250 / 230)
+    assert v["ceiling_over_k3"] == pytest.approx(250 / 230)
+    s = v["spectune"]
+    assert s["over_best_static"] == pytest.approx(245 / 230)
+    assert s["over_k5"] == pytest.approx(245 / 200)
+    assert s["share_of_k3_headroom"] == pytest.approx(15 / 20)
+    assert s["tpot_p99_over_best_static_by_phase"] == pytest.approx([1.05, 0.085 / 0.08])
+    need = min(1.05, 1 + 0.6 * (250 / 230 - 1))
+    assert v["targets"] == {"spectune_over_best_static >= 1.0": True, f"spectune_over_k3 >= {need:.4f}": True,
+                            "spectune_over_k5 >= 1.15": True,
+                            "tpot_p99 <= 1.10 x phase's best static in every phase": True}
