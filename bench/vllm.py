@@ -70,6 +70,10 @@ class BenchConfig:
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     long_fraction: float = 0.1
     first_pass: int = 1  # whole loads run on the cold sidecar before the measured runs
+    # An unmeasured pass of the load (phases this long) on every server before the repeats: a fresh vLLM CPU server
+    # decodes slower for its first minute under load (measured here: c16 263 -> 300 -> 319 -> 323 tok/s over four
+    # consecutive 15 s phases), so without it each configuration's first repeat would be charged for that.
+    warmup_s: float = 6.0
     trials: int = 40  # spectune tune's trials
     port_base: int = 18300
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -341,6 +345,10 @@ def run(cfg: BenchConfig, say: Any = print) -> dict[str, Any]:
         else:
             for name in cfg.configs:
                 up(servers[name], work, say)
+        if cfg.warmup_s > 0 and not cfg.restart:
+            say(f"warm-up: the load once on every server, {cfg.warmup_s:g} s a phase, not measured")
+            for name in cfg.configs:
+                run_load(servers[name], models, replace(cfg, phase_s=cfg.warmup_s), say)
         runs: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in cfg.configs}
         order = list(cfg.configs)
         for rep in range(cfg.repeats):
@@ -349,6 +357,8 @@ def run(cfg: BenchConfig, say: Any = print) -> dict[str, Any]:
             for name in rot:
                 if cfg.restart:
                     up(servers[name], work, say)
+                    if cfg.warmup_s > 0:
+                        run_load(servers[name], models, replace(cfg, phase_s=cfg.warmup_s), say)
                 runs[name].append(run_load(servers[name], models, cfg, say))
                 if cfg.restart:
                     down(servers[name])
@@ -369,7 +379,8 @@ def run(cfg: BenchConfig, say: Any = print) -> dict[str, Any]:
         "machine": machine(),
         "config": {"profile": cfg.profile, "repeats": cfg.repeats, "phase_s": cfg.phase_s,
                    "concurrency": list(cfg.concurrency), "long_fraction": cfg.long_fraction, "k_max": K_MAX,
-                   "first_pass": cfg.first_pass, "trials": cfg.trials, "eager": cfg.eager, "restart": cfg.restart,
+                   "first_pass": cfg.first_pass, "warmup_s": cfg.warmup_s, "trials": cfg.trials, "eager": cfg.eager,
+                   "restart": cfg.restart,
                    "seed": cfg.seed},
         "first_pass": first,
         "tuned": tuned,
@@ -384,7 +395,7 @@ def run(cfg: BenchConfig, say: Any = print) -> dict[str, Any]:
 def cfg_args(cfg: BenchConfig) -> list[str]:
     d = BenchConfig()
     out = []
-    for name in ("profile", "repeats", "phase_s", "first_pass", "trials", "seed"):
+    for name in ("profile", "repeats", "phase_s", "first_pass", "warmup_s", "trials", "seed"):
         v = getattr(cfg, name)
         if v != getattr(d, name):
             out += [f"--{name.replace('_', '-')}", str(v)]
@@ -478,6 +489,7 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--phase-s", type=float, default=d.phase_s)
     ap.add_argument("--concurrency", default=",".join(map(str, d.concurrency)))
     ap.add_argument("--first-pass", type=int, default=d.first_pass)
+    ap.add_argument("--warmup-s", type=float, default=d.warmup_s, help="unmeasured warm-up phase length (0: none)")
     ap.add_argument("--trials", type=int, default=d.trials)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--port-base", type=int, default=d.port_base)
@@ -490,6 +502,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         cfg = BenchConfig(profile=a.profile, repeats=a.repeats, phase_s=a.phase_s,
                           concurrency=tuple(int(x) for x in a.concurrency.split(",")), first_pass=a.first_pass,
+                          warmup_s=a.warmup_s,
                           trials=a.trials, seed=a.seed, port_base=a.port_base, redis_url=a.redis_url,
                           configs=tuple(x for x in a.configs.split(",") if x), eager=not a.compile, restart=a.restart,
                           out=a.out)
