@@ -148,3 +148,10 @@ def test_status_reports_counters_policy_and_overhead_share(tmp_path: object) -> 
     assert lines[0]["overhead_share"] == pytest.approx(0.01)
     assert lines[0]["policy"]["fail_static"] is True
     assert lines[-1]["final"] is True
+
+
+def test_a_failure_of_spectunes_own_code_is_counted_and_shown_never_raised() -> None:
+    b = bridge()
+    b.step_failed("record", KeyError("req-7"))
+    st = b.status()
+    assert st["step_errors"] == 1 and st["last_step_error"] == "record: KeyError: 'req-7'"

@@ -98,10 +98,26 @@ class SpectuneScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped to 
         if not scheduled:
             self._pending = None
             return out
+        try:
+            rows, held, prefill = self._snapshot(scheduled)
+            out.num_spec_tokens_to_schedule = bridge.choose_k(list(rows.values()), len(scheduled))
+        except Exception as e:  # spectune's own fault must never stop vLLM: fail static, count, carry on
+            bridge.step_failed("schedule", e)
+            out.num_spec_tokens_to_schedule = bridge.config.start_k
+            self._pending = None
+            return out
+        t2 = time.perf_counter()
+        bridge.counters.added_s += t2 - t1
+        self._pending = _Pending(out, rows, held, prefill, t0, t1, t2)
+        return out
+
+    def _snapshot(self, scheduled: dict[str, int]) -> tuple[dict[str, RowAtSchedule], dict[str, Any], int]:
+        """Each scheduled request as spectune sees it (type, context, decoding or prompt chunk), and the step's
+        prompt tokens."""
         rows: dict[str, RowAtSchedule] = {}
         held: dict[str, Any] = {}
         prefill = 0
-        type_of = bridge.request_type
+        type_of = self._bridge.request_type
         for req_id, n in scheduled.items():
             req = self.requests.get(req_id)
             if req is None:
@@ -117,11 +133,7 @@ class SpectuneScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped to 
                 setattr(req, _TYPE_ATTR, rtype)
             rows[req_id] = RowAtSchedule(rtype, ctx, decoding, req.num_output_tokens)
             held[req_id] = req
-        out.num_spec_tokens_to_schedule = bridge.choose_k(list(rows.values()), len(scheduled))
-        t2 = time.perf_counter()
-        bridge.counters.added_s += t2 - t1
-        self._pending = _Pending(out, rows, held, prefill, t0, t1, t2)
-        return out
+        return rows, held, prefill
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         t3 = time.perf_counter()
@@ -131,22 +143,25 @@ class SpectuneScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped to 
         result = super().update_from_output(scheduler_output, model_runner_output)
         t4 = time.perf_counter()
         bridge = self._bridge
-        sampled = model_runner_output.sampled_token_ids
-        index = model_runner_output.req_id_to_index
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        rows: list[tuple[RowAtSchedule, RowOutcome | None]] = []
-        for req_id, at in pending.rows.items():
-            i = index.get(req_id)
-            n_sampled = len(sampled[i]) if sampled and i is not None else 0
-            outcome = None if n_sampled == 0 else RowOutcome(
-                len(spec.get(req_id, ())), n_sampled, pending.requests[req_id].num_output_tokens)
-            rows.append((at, outcome))
-        round_ = bridge.round_record(
-            rows, schedule_s=pending.t_scheduled - pending.t_start, model_s=t3 - pending.t_handed,
-            update_s=t4 - t3, prefill_tokens=pending.prefill_tokens,
-            total_tokens=scheduler_output.total_num_scheduled_tokens, timestamp=time.time())
-        if round_ is not None:
-            bridge.record(round_)
+        try:
+            sampled = model_runner_output.sampled_token_ids
+            index = model_runner_output.req_id_to_index
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            rows: list[tuple[RowAtSchedule, RowOutcome | None]] = []
+            for req_id, at in pending.rows.items():
+                i = index.get(req_id)
+                n_sampled = len(sampled[i]) if sampled and i is not None else 0
+                outcome = None if n_sampled == 0 else RowOutcome(
+                    len(spec.get(req_id, ())), n_sampled, pending.requests[req_id].num_output_tokens)
+                rows.append((at, outcome))
+            round_ = bridge.round_record(
+                rows, schedule_s=pending.t_scheduled - pending.t_start, model_s=t3 - pending.t_handed,
+                update_s=t4 - t3, prefill_tokens=pending.prefill_tokens,
+                total_tokens=scheduler_output.total_num_scheduled_tokens, timestamp=time.time())
+            if round_ is not None:
+                bridge.record(round_)
+        except Exception as e:  # a record spectune cannot build is lost and counted; vLLM's step is not
+            bridge.step_failed("record", e)
         bridge.counters.added_s += time.perf_counter() - t4
         return result
 

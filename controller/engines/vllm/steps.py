@@ -167,6 +167,8 @@ class BridgeCounters:
     folded_request_types: int = 0  # rows whose new type came past max_request_types (reported as "*")
     last_bad_request_type: str | None = None
     last_status_error: str | None = None
+    step_errors: int = 0  # steps where spectune's own code failed (vLLM carried on at the fail-static k)
+    last_step_error: str | None = None
     k_counts: dict[int, int] | None = None  # steps per chosen k
 
 
@@ -287,6 +289,11 @@ class VllmStepBridge:
             rows=tuple(out), timestamp=timestamp,
         )
 
+    def step_failed(self, where: str, error: BaseException) -> None:
+        """spectune's code failed inside a vLLM step: counted and kept for the status lines, never raised."""
+        self.counters.step_errors += 1
+        self.counters.last_step_error = f"{where}: {type(error).__name__}: {error}"[:300]
+
     def record(self, round_: RoundRecord) -> None:
         if self.hooks is not None:
             self.hooks.record(round_)
@@ -305,6 +312,7 @@ class VllmStepBridge:
             "rows_skipped": c.rows_skipped, "bad_request_types": c.bad_request_types,
             "folded_request_types": c.folded_request_types, "last_bad_request_type": c.last_bad_request_type,
             "request_types": sorted(set(self._types)), "last_status_error": c.last_status_error,
+            "step_errors": c.step_errors, "last_step_error": c.last_step_error,
             "policy": {"mode": st.mode, "version": st.version, "fail_static": st.fail_static,
                        "rejected": st.rejected, "detail": st.detail, "last_error": st.last_error},
             "emitter": None if em is None else {"rounds_recorded": em.rounds_recorded,
