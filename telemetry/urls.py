@@ -8,11 +8,17 @@ query (``redis://host?password=secret``, libpq's ``?password=`` / ``?sslpassword
 
 from __future__ import annotations
 
+import re
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 MASK = "***"
-# Query parameters whose value is a secret: any name containing one of these words (case-insensitive).
-SECRET_WORDS = ("password", "passwd", "secret", "token")
+# Query parameters whose value is a secret: any name containing one of these words (case-insensitive). "key"
+# covers webhooks' ``?api_key=`` / ``?apikey=`` (it also masks ``ssl_keyfile``, a path: harmless).
+SECRET_WORDS = ("password", "passwd", "secret", "token", "key", "auth", "signature")
+# ``scheme://user:password@``, the password read as SQLAlchemy's ``make_url`` reads it: everything up to the
+# first ``@``, so that ``#``, ``?`` and ``/`` inside it (which ``urlsplit`` takes for the fragment, the query or the
+# path) are masked too.
+_USERINFO = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/@?#]*:)(?P<password>[^@]*)@")
 
 
 def _is_secret(name: str) -> bool:
@@ -31,17 +37,14 @@ def redact_url(url: str) -> str:
         secret in a place this parser did not recognise).
     """
     try:
+        m = _USERINFO.match(url)
+        if m is not None:
+            url = f"{m['head']}{MASK}@{url[m.end():]}"
         parts = urlsplit(url)
         pairs = parse_qsl(parts.query, keep_blank_values=True)
-        secret_query = any(_is_secret(k) for k, _ in pairs)
-        if parts.password is None and not secret_query:
-            return url  # unchanged (urlunsplit would also drop the empty authority of sqlite:////abs/path)
-        netloc = parts.netloc
-        if parts.password is not None:
-            netloc = f"{parts.username or ''}:{MASK}@{netloc.rpartition('@')[2]}"
-        query = parts.query
-        if secret_query:
-            query = urlencode([(k, MASK if _is_secret(k) else v) for k, v in pairs], safe="*")
-        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        if not any(_is_secret(k) for k, _ in pairs):
+            return url  # urlunsplit would drop the empty authority of sqlite:////abs/path
+        query = urlencode([(k, MASK if _is_secret(k) else v) for k, v in pairs], safe="*")
+        return urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))
     except ValueError:
         return "<unparsable url>"

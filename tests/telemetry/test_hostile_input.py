@@ -132,12 +132,35 @@ def test_policy_tables_have_a_size_cap() -> None:
         ("postgresql+psycopg://u@db:5432/test?password=hunter2&sslmode=require", "hunter2"),
         ("postgresql+psycopg://u:hunter2@db/test?options=-csearch_path%3Dx", "hunter2"),
         ("rediss://127.0.0.1/0?ssl_keyfile_password=hunter2", "hunter2"),
+        # SQLAlchemy reads the password up to the first '@': '#', '?' and '/' inside it are the password's
+        ("postgresql+psycopg://postgres:pa#dbs3cret@127.0.0.1:5999/x", "dbs3cret"),
+        ("postgresql+psycopg://postgres:pa?dbs3cret@127.0.0.1:5999/x", "dbs3cret"),
+        ("postgresql+psycopg://postgres:pa/dbs3cret@127.0.0.1:5999/x", "dbs3cret"),
+        ("http://op:s3cr#et@127.0.0.1:9100", "et@"),
+        ("https://hooks.example/alert?api_key=hunter2&channel=ops", "hunter2"),
     ],
 )
 def test_one_helper_redacts_passwords_wherever_they_are(url: str, secret: str) -> None:
     shown = redact_url(url)
     assert secret not in shown and "***" in shown
     assert shown.split("://")[0] == url.split("://")[0]  # still says what it is
+
+
+@pytest.mark.parametrize("url", ["postgresql+psycopg://postgres:pa#dbs3cret@127.0.0.1:5999/x",
+                                 "redis://u:p?w/d@10.0.0.1:6380/2"])
+def test_redaction_keeps_what_sqlalchemy_reads_as_host_port_and_database(url: str) -> None:
+    from sqlalchemy.engine import make_url
+
+    shown, real = make_url(redact_url(url)), make_url(url)
+    assert (shown.host, shown.port, shown.database, shown.username) == (real.host, real.port, real.database,
+                                                                        real.username)
+    assert shown.password == "***" and real.password and real.password not in redact_url(url)
+
+
+def test_urls_without_secrets_are_shown_as_given() -> None:
+    for url in ("sqlite:////abs/path/spectune.db", "sqlite:///rel.db", "redis://127.0.0.1:6379/0",
+                "http://127.0.0.1:9100/health", "postgresql+psycopg://postgres@127.0.0.1:5432/test"):
+        assert redact_url(url) == url
 
 
 def test_store_and_transport_errors_use_the_redaction(redis_url: str) -> None:
