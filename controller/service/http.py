@@ -16,12 +16,14 @@
 Bad input gets ``400`` with ``{"error": ..., "reason": ...}`` and is counted in
 ``spectune_http_bad_requests_total{reason}``; nothing an operator sends can stop the sidecar.
 
-Serving (see :class:`HttpConfig`): one thread accepts connections and watches idle ones with a selector; a
-connection goes to a bounded pool of workers only when a request arrives on it, and comes back to the selector
-after the response (keep-alive; a response leaves in one write). An idle connection therefore holds no thread and
-is closed after ``idle_timeout_s``; a request that stalls half-sent is cut after ``request_timeout_s``; when every
-worker is busy and ``max_queued`` connections already wait, a new request gets ``503`` at once. A client that goes
-away mid-response is counted in ``spectune_http_client_disconnects_total``, not as a sidecar error.
+Serving (see :class:`HttpConfig`): one thread accepts connections and reads requests with a selector; a
+connection goes to a bounded pool of workers only when a whole request (head and body) has arrived on it, and comes
+back to the selector after the response (keep-alive; a response leaves in one write). A worker therefore never
+waits on a client: an idle connection holds no thread and is closed after ``idle_timeout_s``; a request that is
+not whole ``request_timeout_s`` after its first byte (half-sent, or trickled a byte at a time) is cut and counted
+in ``spectune_http_requests_timed_out_total``; when every worker is busy and ``max_queued`` connections already
+wait, a new request gets ``503`` at once. A client that goes away mid-response is counted in
+``spectune_http_client_disconnects_total``, not as a sidecar error.
 
 Shared renderings: ``GET /policy`` keeps its rendering while the table in force is the same object. The pages read
 from the store or from Redis (``/pins``, ``/policy/history``, ``/alerts``, ``/deadletter``, each per query) are
@@ -38,6 +40,7 @@ import contextlib
 import io
 import json
 import queue
+import re
 import selectors
 import socket
 import threading
@@ -46,7 +49,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any, cast
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -58,6 +61,9 @@ from telemetry.records import PolicyTable, RecordError
 from telemetry.wire import parse_bucket_key
 
 MAX_BODY_BYTES = 16 << 10  # a pin request is a few hundred bytes
+MAX_HEAD_BYTES = 64 << 10  # request line and headers (http.server's own line limit); past it: 431
+READ_CHUNK = 64 << 10  # bytes read from a readable connection at a time
+_CONTENT_LENGTH = re.compile(rb"^content-length[ \t]*:[ \t]*(\d{1,12})[ \t]*\r?$", re.IGNORECASE | re.MULTILINE)
 MAX_LIMIT = 1000  # history / dead-letter pages
 PAYLOAD_PREVIEW = 200  # bytes of a dead letter's payload shown
 SWEEP_S = 0.1  # how often the accept thread closes connections idle past their deadline
@@ -74,7 +80,7 @@ class HttpConfig:
 
     workers: int = 4  # threads answering requests (sub-ms each; more only add GIL switching on a small machine)
     idle_timeout_s: float = 5.0  # a keep-alive connection with no request this long is closed
-    request_timeout_s: float = 10.0  # a request (headers and body) or a response write may take this long
+    request_timeout_s: float = 10.0  # a whole request (head and body, from its first byte) or a response write
     max_queued: int = 256  # connections with a request waiting for a worker; past this: 503 at once
     backlog: int = 128  # listen(2) backlog (socketserver: 5): a burst of 20+ clients must not wait for SYN retries
     # how old a shared store / Redis page may be (its own changes re-render at once); 0: every request queries
@@ -178,7 +184,7 @@ class _Handler(BaseHTTPRequestHandler):
     def __init__(self, sock: socket.socket, addr: Any, server: _Server) -> None:
         self.request, self.client_address, self.server = sock, addr, server
         self.setup()
-        sock.settimeout(server.config.request_timeout_s)  # a read or write stalls at most this long
+        sock.settimeout(server.config.request_timeout_s)  # a response write stalls at most this long
         self.close_connection = True
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -339,25 +345,33 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _Conn:
-    """A client connection between requests: its handler (buffered reader) and when it is closed if idle."""
+    """A client connection: its handler, the bytes read from it that no worker has answered yet, and when it is
+    closed (idle between requests, or a request still not whole)."""
 
     def __init__(self, sock: socket.socket, addr: Any, server: _Server) -> None:
         self.sock = sock
         self.timeout_s = server.config.request_timeout_s
         self.handler = _Handler(sock, addr, server)
         self.deadline = time.monotonic() + server.config.idle_timeout_s
+        self.inbuf = bytearray()  # read by the selector thread; taken a request at a time by a worker
 
-    def buffered(self) -> bool:
-        """Whether a next request is already readable (pipelined into the buffer, or on the socket), without
-        blocking: the selector cannot see bytes the reader has buffered."""
-        try:
-            self.sock.setblocking(False)
-            return bool(cast(io.BufferedReader, self.handler.rfile).peek(1))
-        except OSError:
-            return False
-        finally:
-            with contextlib.suppress(OSError):
-                self.sock.settimeout(self.timeout_s)
+    def request_size(self) -> int | None:
+        """Bytes of the first whole request in ``inbuf`` (request line, headers, Content-Length body); ``None``
+        while it is not whole. A head past ``MAX_HEAD_BYTES`` or a body past ``MAX_BODY_BYTES`` counts as whole
+        at what has arrived: the handler refuses it without reading the rest."""
+        end = self.inbuf.find(b"\r\n\r\n")
+        if end < 0:
+            return len(self.inbuf) if len(self.inbuf) > MAX_HEAD_BYTES else None
+        m = _CONTENT_LENGTH.search(self.inbuf, 0, end)
+        n = int(m.group(1)) if m else 0  # no or a bad length: the handler answers from the head alone
+        if n > MAX_BODY_BYTES:
+            return len(self.inbuf)
+        return end + 4 + n if len(self.inbuf) >= end + 4 + n else None
+
+    def take(self, n: int) -> bytes:
+        req = bytes(self.inbuf[:n])
+        del self.inbuf[:n]
+        return req
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -408,8 +422,7 @@ class _Server(HTTPServer):
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(4096)
                 else:
-                    self._sel.unregister(key.fileobj)
-                    self._dispatch(key.data)
+                    self._read(key.data)
             while True:
                 try:
                     self._watch(self._back.get_nowait())
@@ -421,7 +434,9 @@ class _Server(HTTPServer):
                 for key in list(self._sel.get_map().values()):
                     if isinstance(key.data, _Conn) and key.data.deadline <= now:
                         self._sel.unregister(key.fileobj)
-                        key.data.close()  # idle past idle_timeout_s
+                        if key.data.inbuf:  # a request still not whole request_timeout_s after its first byte
+                            self.sidecar.metrics.on_http_request_timed_out()
+                        key.data.close()  # else idle past idle_timeout_s
         for key in list(self._sel.get_map().values()):
             if isinstance(key.data, _Conn):
                 key.data.close()
@@ -447,7 +462,34 @@ class _Server(HTTPServer):
                     sock.close()
 
     def _watch(self, conn: _Conn) -> None:
+        if conn.request_size() is not None:  # pipelined: the next request is already here
+            self._dispatch(conn)
+            return
+        if conn.inbuf:  # part of the next request came with the last one: its clock is running
+            conn.deadline = time.monotonic() + self.config.request_timeout_s
+        conn.sock.setblocking(False)  # read here only when readable; never wait on a client in this thread
         self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Conn) -> None:
+        """What a readable connection sent, kept until a whole request is there (then a worker answers it)."""
+        try:
+            data = conn.sock.recv(READ_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client closed (or reset) the connection
+            self._sel.unregister(conn.sock)
+            if conn.inbuf:
+                self.sidecar.metrics.on_http_client_gone()
+            conn.close()
+            return
+        if not conn.inbuf:  # a request's first byte: the whole of it must arrive within request_timeout_s
+            conn.deadline = time.monotonic() + self.config.request_timeout_s
+        conn.inbuf += data
+        if conn.request_size() is not None:
+            self._sel.unregister(conn.sock)
+            self._dispatch(conn)
 
     def _dispatch(self, conn: _Conn) -> None:
         with self._count_lock:
@@ -464,21 +506,29 @@ class _Server(HTTPServer):
         self._pool.submit(self._serve_one, conn)
 
     def _serve_one(self, conn: _Conn) -> None:
-        """A worker: answer the requests that are readable now, then hand the connection back (or close it)."""
+        """A worker: answer the whole requests read so far, then hand the connection back (or close it)."""
         with self._count_lock:
             self._waiting -= 1
         h = conn.handler
         try:
-            while True:
+            conn.sock.settimeout(self.config.request_timeout_s)  # a response write stalls at most this long
+            while (n := conn.request_size()) is not None:
+                if conn.inbuf.find(b"\r\n\r\n") < 0:  # a head past MAX_HEAD_BYTES and still not ended
+                    self.sidecar.metrics.http_bad_requests.labels("head_too_large").inc()
+                    h.request_version, h.requestline, h.command = h.protocol_version, "", ""  # none was parsed
+                    h._json(431, {"error": f"request head over {MAX_HEAD_BYTES} bytes", "reason": "head_too_large"})
+                    h.wfile.flush()
+                    conn.close()
+                    return
+                h.rfile = io.BytesIO(conn.take(n))
                 h.close_connection = True
                 h.handle_one_request()  # sets close_connection = False for a keep-alive request
                 if h.close_connection or self._stop.is_set():
+                    h.wfile.flush()
                     conn.close()
                     return
                 h.wfile.flush()
-                if not conn.buffered():
-                    break
-        except OSError:  # reset, broken pipe, or request_timeout_s passed mid-request: the client's problem
+        except OSError:  # reset, broken pipe, or a response write past request_timeout_s: the client's problem
             self.sidecar.metrics.on_http_client_gone()
             conn.close()
             return

@@ -92,6 +92,10 @@ class SidecarMetrics:
         self.http_overloaded = Counter(
             "spectune_http_overloaded", "Operator HTTP requests answered 503 because every worker was busy.",
             registry=r)
+        self.http_requests_timed_out = Counter(
+            "spectune_http_requests_timed_out",
+            "Operator HTTP requests cut because they were not whole request_timeout_s after their first byte "
+            "(half-sent or trickled).", registry=r)
         self.leader = Gauge(
             "spectune_sidecar_leader",
             "1 while this sidecar holds the leader lease and so decides and publishes the table (always 1 without "
@@ -134,6 +138,9 @@ class SidecarMetrics:
 
     def on_http_overloaded(self) -> None:
         self.http_overloaded.inc()
+
+    def on_http_request_timed_out(self) -> None:
+        self.http_requests_timed_out.inc()
 
     def on_http_client_gone(self) -> None:
         self.http_client_disconnects.inc()

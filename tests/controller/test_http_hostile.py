@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -140,3 +141,82 @@ def test_the_listen_backlog_takes_a_burst(served: tuple[OperatorServer, Sidecar]
         t.join(10)
     srv.close()
     assert results == [200] * 40
+
+
+def _wait_closed(s: socket.socket, deadline_s: float) -> bool:
+    """Whether the server closed ``s`` before ``deadline_s`` (polling; what the client sent meanwhile is its own)."""
+    s.settimeout(0.2)
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            if s.recv(65536) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except OSError:
+            return True
+    return False
+
+
+def test_half_sent_requests_hold_no_worker(served: tuple[OperatorServer, Sidecar]) -> None:
+    """Five times as many half-sent requests as workers: /health still answers at once (each worker used to wait
+    on its client's next byte for request_timeout_s, then for the next one)."""
+    srv, sc = served
+    half = []
+    for i in range(CFG.workers * 5):
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        s.sendall(b"POST /pins HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"bucket\"" if i % 2 else
+                  b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        half.append(s)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=CFG.request_timeout_s / 2) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert s.recv(12) == b"HTTP/1.1 200"  # a recv timeout here is the stall this test is about
+    for s in half:  # cut when request_timeout_s has passed since their first byte, and counted
+        assert _wait_closed(s, CFG.request_timeout_s * 5)
+        s.close()
+    assert sc.metrics.http_requests_timed_out._value.get() == len(half)
+
+
+def test_a_request_trickled_a_byte_at_a_time_is_cut_at_the_request_deadline(
+        served: tuple[OperatorServer, Sidecar]) -> None:
+    """A read timeout restarts with every byte; the deadline runs from the request's first byte."""
+    srv, sc = served
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        request_bytes = b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 1000
+        closed = False
+        end = time.monotonic() + CFG.request_timeout_s * 5
+        for b in request_bytes:  # one byte every request_timeout_s / 8: each read wait is short
+            try:
+                s.sendall(bytes([b]))
+            except OSError:
+                closed = True
+                break
+            if _wait_closed(s, CFG.request_timeout_s / 8) or time.monotonic() > end:
+                closed = True
+                break
+        assert closed
+    assert sc.metrics.http_requests_timed_out._value.get() == 1
+    assert request(srv, "GET", "/health")[0] == 200
+
+
+def test_a_request_whose_body_arrives_in_pieces_is_answered(served: tuple[OperatorServer, Sidecar]) -> None:
+    srv, sc = served
+    body = json.dumps({"bucket": "*|*|code|*|*", "k": 2, "reason": "test"}).encode()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        msg = f"POST /pins HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+        for i in range(0, len(msg), 7):
+            s.sendall(msg[i:i + 7])
+        data = s.recv(65536)
+    assert data.startswith(b"HTTP/1.1 200")
+    assert [p.k for p in sc.store.active_pins()] == [2]
+
+
+def test_a_head_past_the_limit_is_431_not_a_wait(served: tuple[OperatorServer, Sidecar]) -> None:
+    from controller.service.http import MAX_HEAD_BYTES
+
+    srv, sc = served
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        with contextlib.suppress(OSError):  # the server may close while we still send
+            s.sendall(b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES + 10))
+        assert s.recv(12) == b"HTTP/1.1 431"
+    assert sc.metrics.http_bad_requests.labels("head_too_large")._value.get() == 1
