@@ -62,6 +62,9 @@ from telemetry.wire import parse_bucket_key
 
 MAX_BODY_BYTES = 16 << 10  # a pin request is a few hundred bytes
 MAX_HEAD_BYTES = 64 << 10  # request line and headers (http.server's own line limit); past it: 431
+# http.server's own refusals, by status, as the reason label of spectune_http_bad_requests_total
+ERROR_REASONS = {400: "bad_request", 414: "line_too_long", 431: "head_too_large", 501: "method_not_allowed",
+                 505: "bad_http_version"}
 READ_CHUNK = 64 << 10  # bytes read from a readable connection at a time
 _CONTENT_LENGTH = re.compile(rb"^content-length[ \t]*:[ \t]*(\d{1,12})[ \t]*\r?$", re.IGNORECASE | re.MULTILINE)
 MAX_LIMIT = 1000  # history / dead-letter pages
@@ -204,6 +207,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _json(self, code: int, obj: Any) -> None:
         self._send(code, _dumps(obj))
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a bad request line, an unknown method, a line too long) in this endpoint's
+        JSON shape, counted like every other bad request, instead of an HTML page."""
+        reason = ERROR_REASONS.get(code, "bad_request")
+        self.server.sidecar.metrics.http_bad_requests.labels(reason).inc()
+        self.close_connection = True
+        self.request_version = self.protocol_version  # the default, HTTP/0.9, would send the body without a head
+        self.requestline = getattr(self, "requestline", "")
+        text = message or explain or f"HTTP {code}"
+        if code == 501:
+            text = f"method {self.command!r} is not served here; use GET, POST or DELETE"
+        self._json(code, {"error": text, "reason": reason})
 
     def _page(self, key: Hashable, stamp: Hashable, render: Callable[[], Any]) -> None:
         """A 200 JSON page, shared with other requests for ``key`` while ``stamp`` holds (see :class:`_Pages`)."""
@@ -514,9 +530,8 @@ class _Server(HTTPServer):
             conn.sock.settimeout(self.config.request_timeout_s)  # a response write stalls at most this long
             while (n := conn.request_size()) is not None:
                 if conn.inbuf.find(b"\r\n\r\n") < 0:  # a head past MAX_HEAD_BYTES and still not ended
-                    self.sidecar.metrics.http_bad_requests.labels("head_too_large").inc()
-                    h.request_version, h.requestline, h.command = h.protocol_version, "", ""  # none was parsed
-                    h._json(431, {"error": f"request head over {MAX_HEAD_BYTES} bytes", "reason": "head_too_large"})
+                    h.command = ""
+                    h.send_error(431, f"request head over {MAX_HEAD_BYTES} bytes")
                     h.wfile.flush()
                     conn.close()
                     return

@@ -220,3 +220,23 @@ def test_a_head_past_the_limit_is_431_not_a_wait(served: tuple[OperatorServer, S
             s.sendall(b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES + 10))
         assert s.recv(12) == b"HTTP/1.1 431"
     assert sc.metrics.http_bad_requests.labels("head_too_large")._value.get() == 1
+
+
+@pytest.mark.parametrize(("head", "code", "reason"), [
+    (b"PUT /pins HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 501, "method_not_allowed"),
+    (b"PATCH /policy HTTP/1.1\r\nHost: x\r\n\r\n", 501, "method_not_allowed"),
+    (b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n", 505, "bad_http_version"),
+    (b"GARBAGE\r\n\r\n", 400, "bad_request"),
+])
+def test_http_servers_own_refusals_are_json_and_counted(served: tuple[OperatorServer, Sidecar], head: bytes,
+                                                         code: int, reason: str) -> None:
+    srv, sc = served
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(head)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    assert int(status_line.split(b" ")[1]) == code
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["reason"] == reason
+    assert sc.metrics.http_bad_requests.labels(reason)._value.get() == 1
