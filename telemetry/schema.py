@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Float,
     ForeignKey,
     Index,
@@ -46,6 +47,7 @@ from telemetry.records import MAX_NAME_LEN
 VERSION_TABLE = "spectune_alembic_version"  # distinct from optuna's alembic_version in a shared database
 BUCKET_KEY_LEN = 5 * MAX_NAME_LEN + 4  # five labels and four '|' separators
 REASON_LEN = 500  # operators' notes; PolicyTable.reason is cut to this length too
+SOURCE_LEN = 32  # an ingest source name (``vllm-prom``)
 ALERT_KIND_LEN = 32  # alert kinds and count units are short fixed words (telemetry.alerts)
 
 # Deterministic constraint names, so migrations can name what they create and drop (SQLite batch mode needs it).
@@ -176,6 +178,25 @@ class CostWindowRow(Base):
     latency_p50: Mapped[float] = mapped_column(Float)
     latency_p95: Mapped[float] = mapped_column(Float)
     latency_p99: Mapped[float] = mapped_column(Float)
+
+
+class ScrapeBaselineRow(Base):
+    """The last scrape of one engine series ``spectune ingest`` read from a cumulative-counter source.
+
+    The next run's first scrape forms an interval with it, so one scrape per run (cron and curl) still yields
+    windows. ``state`` is the series' counter values as the source's parser keeps them.
+    """
+
+    __tablename__ = "scrape_baselines"
+    __table_args__ = (UniqueConstraint("source", "engine_id", "series", name="uq_scrape_baselines_key"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    source: Mapped[str] = mapped_column(String(SOURCE_LEN))
+    engine_id: Mapped[str] = mapped_column(String(MAX_NAME_LEN))
+    series: Mapped[str] = mapped_column(String(BUCKET_KEY_LEN))  # the source's series labels (model|engine)
+    scraped_at: Mapped[float] = mapped_column(Float)
+    own_time: Mapped[bool] = mapped_column(Boolean)  # scraped_at is the scrape's own time, not the ingest's
+    state: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[float] = mapped_column(Float)
 
 
 class SampledRoundRow(Base):

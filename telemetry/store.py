@@ -52,6 +52,7 @@ from telemetry.schema import (
     PinRow,
     PolicyVersionRow,
     SampledRoundRow,
+    ScrapeBaselineRow,
 )
 from telemetry.urls import redact_url
 from telemetry.wire import check_draft_len, parse_bucket_key
@@ -67,7 +68,7 @@ COST_COLUMNS = (
 )
 SAMPLED_COLUMNS = ("batch_id", "engine_id", "round")
 
-__all__ = ["DEFAULT_DB_URL", "Pin", "Store", "StoredWindow"]
+__all__ = ["DEFAULT_DB_URL", "Pin", "ScrapeBaseline", "Store", "StoredWindow"]
 
 W = TypeVar("W", AcceptanceWindow, CostWindow)
 AccKey = tuple[str, str, str, str, int]  # target, draft, request type, context bucket, k
@@ -93,6 +94,18 @@ class Pin:
     reason: str
     created_by: str
     created_at: float
+
+
+@dataclass(frozen=True)
+class ScrapeBaseline:
+    """The last scrape of one engine series read by ``spectune ingest`` (see ``ScrapeBaselineRow``)."""
+
+    source: str  # the ingest source (``vllm-prom``)
+    engine_id: str  # the store's engine id the series' windows go under
+    series: str  # the series' labels as the source names them
+    scraped_at: float  # unix seconds
+    own_time: bool  # scraped_at is the scrape's own time (else the time it was ingested)
+    state: dict[str, Any]  # the counter values, JSON-safe, as the source's parser keeps them
 
 
 # ------------------------------------------------------------------------------------------------- store
@@ -373,6 +386,29 @@ class Store(Database):
         """Sampled raw rounds (as dicts, the shape of :class:`~telemetry.records.RoundRecord`), oldest first."""
         with self._session("reading sampled rounds") as s:
             return [dict(r) for r in s.scalars(select(SampledRoundRow.round).order_by(SampledRoundRow.id).limit(limit))]
+
+    # ------------------------------------------------------------------------------------- scrape baselines
+    def scrape_baselines(self, source: str) -> list[ScrapeBaseline]:
+        """Every series' last scrape stored for ``source``."""
+        b = ScrapeBaselineRow
+        with self._session("reading scrape baselines") as s:
+            return [ScrapeBaseline(r.source, r.engine_id, r.series, r.scraped_at, bool(r.own_time), dict(r.state))
+                    for r in s.scalars(select(b).where(b.source == source).order_by(b.id))]
+
+    def save_scrape_baselines(self, baselines: Sequence[ScrapeBaseline]) -> None:
+        """Store each series' last scrape, replacing the one stored before (one transaction)."""
+        if not baselines:
+            return
+        now = time.time()
+        with self._session("storing scrape baselines") as s:
+            for bl in baselines:
+                ins = self._insert(ScrapeBaselineRow).values(
+                    source=bl.source, engine_id=bl.engine_id, series=bl.series, scraped_at=bl.scraped_at,
+                    own_time=bl.own_time, state=bl.state, updated_at=now)
+                s.execute(ins.on_conflict_do_update(
+                    index_elements=["source", "engine_id", "series"],
+                    set_={"scraped_at": ins.excluded.scraped_at, "own_time": ins.excluded.own_time,
+                          "state": ins.excluded.state, "updated_at": ins.excluded.updated_at}))
 
     # ------------------------------------------------------------------------------------------ policies
     def save_policy_version(self, table: PolicyTable) -> None:

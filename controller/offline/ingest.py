@@ -1,8 +1,10 @@
 """``spectune ingest``: run a source's parser over files, stdin or a ``/metrics`` URL and store the windows.
 
 Nothing is lost: a malformed record is rejected with its line number and reason, a valid record that yields no
-window (mixed draft lengths, totals without a histogram) is skipped with its reason, and both are counted in the
-summary and written, with the raw text, to the rejects file (JSON lines). Every other record is still ingested.
+window (totals without a histogram) is skipped with its reason, one that yields only part of what it holds (mixed
+draft lengths) is partly stored with its reason, and all are counted in the summary and written, with the raw
+text, to the rejects file (JSON lines). Every other record is still ingested. The rejects file is opened at the
+first record written to it: a run without rejects creates nothing, and nothing is ever removed or replaced.
 
 Each record becomes one :class:`~telemetry.records.WindowBatch` whose ``(engine_id, seq)`` is derived from the
 record itself (its origin, line number and text, or its scrape interval), so ingesting the same file twice
@@ -20,13 +22,13 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, Protocol
 
-from controller.offline.sources import sglang, trtllm, vllm_log, vllm_prom, vllm_request
-from controller.offline.sources.common import UNKNOWN, Parsed, SourceError, SourceLabels, stable_seq
+from controller.offline.sources import sglang, timing, trtllm, vllm_log, vllm_prom, vllm_request
+from controller.offline.sources.common import REASONS, UNKNOWN, Parsed, SourceError, SourceLabels, stable_seq
 from telemetry.errors import SpectuneError, StoreError
 from telemetry.records import MAX_NAME_LEN, WindowBatch
-from telemetry.store import Store
+from telemetry.store import ScrapeBaseline, Store
 from telemetry.wire import check_label
 
 LINE_SOURCES = ("vllm-log", "vllm-request", "sglang", "trtllm")  # one record per line
@@ -35,8 +37,12 @@ SOURCES = SCRAPE_SOURCES[:1] + LINE_SOURCES + SCRAPE_SOURCES[1:]
 FLUSH_EVERY = 500  # window batches per store transaction
 MAX_RAW_KEPT = 4000  # characters of a rejected record kept in the rejects file
 MIXED_WARNING = ("per-position counters mix draft lengths (a batch-size schedule such as vLLM's "
-                 "num_speculative_tokens_per_batch_size?): those intervals were not split by length and are not "
-                 "stored; scrape more often or ingest per-request metrics")
+                 "num_speculative_tokens_per_batch_size?): only what they determine is stored (log lines: position "
+                 "1 as a k=1 window); scrape more often or ingest per-request metrics for the full curve")
+TOTALS_WARNING = ("totals without a histogram (vLLM v0 `Speculative metrics:` lines at k > 1, TensorRT-LLM "
+                  "iterations of several drafting requests): counted in the mean, no acceptance window stored")
+MODEL_FREE_SOURCES = ("vllm-log", "trtllm")  # their records name no model: --model or --version is required
+QUIET_SKIPS = ("first_scrape", "idle")  # no window and nothing worth keeping: a baseline, or nothing drafted
 
 
 class IngestError(SpectuneError):
@@ -83,7 +89,7 @@ class Reject:
 
     origin: str
     line: int
-    kind: str  # "malformed" (rejected) or "skipped" (valid, but no window can be made from it)
+    kind: str  # "malformed" (rejected), "skipped" (valid, no window) or "partial" (valid, part of it stored)
     reason: str
     detail: str
     raw: str
@@ -100,17 +106,63 @@ class IngestSummary:
     batches_duplicate: int = 0
     malformed: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)
+    partial: Counter[str] = field(default_factory=Counter)  # stored in part (e.g. a mixed line's position 1)
     notes: Counter[str] = field(default_factory=Counter)
     totals: Counter[str] = field(default_factory=Counter)  # drafts / draft_tokens / accepted over every record
+    # drafts and accepted of the records that determine both: the mean acceptance length is taken over these only
+    mean_totals: Counter[str] = field(default_factory=Counter)
+    stored_totals: Counter[str] = field(default_factory=Counter)  # rows / accepted of the acceptance windows
     observations: list[dict[str, Any]] = field(default_factory=list)  # reported, not stored (gauges, latency)
     store_failures: int = 0
     last_error: str | None = None
+    untimed_scrapes: int = 0  # scrapes without a time of their own (no mark, no sample timestamp, not fetched)
+    untimed_windows: int = 0  # window batches stamped with the ingest time: their record carried no time
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # engine restarts seen between two scrapes
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        for k in ("malformed", "skipped", "notes", "totals"):
+        for k in ("malformed", "skipped", "partial", "notes", "totals", "mean_totals", "stored_totals"):
             d[k] = dict(d[k])
         return d
+
+
+class Writable(Protocol):
+    """Where rejects go: an open text file or a :class:`RejectsFile`."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+
+class RejectsFile:
+    """The rejects file, opened for appending at the first write: a run without rejects creates nothing.
+
+    Whatever ``path`` is (a FIFO, ``/dev/null``, a link, an operator's own file), it is only ever opened for
+    appending, never truncated, removed or replaced.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.written = 0  # records written this run
+        self._f: IO[str] | None = None
+
+    def write(self, text: str, /) -> int:
+        if self._f is None:
+            try:
+                self._f = self.path.open("a", encoding="utf-8")
+            except OSError as e:
+                raise IngestError(f"cannot write the rejects file {self.path}: {e}; pass --rejects PATH") from e
+        self.written += 1
+        return self._f.write(text)
+
+    def flush(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
 
 class Ingestor:
@@ -122,12 +174,16 @@ class Ingestor:
         rejects: where rejected and skipped records are written as JSON lines (None: kept in memory only).
     """
 
-    def __init__(self, config: IngestConfig, store: Store | None, rejects: TextIO | None = None) -> None:
+    def __init__(self, config: IngestConfig, store: Store | None, rejects: Writable | None = None) -> None:
         self.config = config
         self._store = store
         self._rejects_out = rejects
         self._pending: list[WindowBatch] = []
         self._prom: vllm_prom.PromFollower | None = None
+        self._baselines: dict[vllm_prom.SeriesKey, vllm_prom.Baseline] = {}  # as stored before this run
+        self._saved: dict[vllm_prom.SeriesKey, vllm_prom.Baseline] = {}  # what this run stored as baselines
+        self._last_time: dict[str, float] = {}  # origin -> time of its last timed line record
+        self._log = vllm_log.LogParser()  # v0 log lines are cumulative: each is read against the previous one
         self.rejects: list[Reject] = []
         self.summary = IngestSummary()
 
@@ -142,7 +198,7 @@ class Ingestor:
             except SourceError as e:  # parse anyway: a malformed line is reported as malformed first
                 labels, unnamed = self.config.labels(UNKNOWN), e
             if src == "vllm-log":
-                res: Parsed | list[Parsed] | None = vllm_log.parse_line(text, labels)
+                res: Parsed | list[Parsed] | None = self._log.parse(text, labels, origin)
             elif src == "vllm-request":
                 res = vllm_request.parse_line(text, labels)
             elif src == "sglang":
@@ -157,9 +213,21 @@ class Ingestor:
         if unnamed is not None:
             self._reject(origin, line_no, "malformed", unnamed.reason, str(unnamed), text)
             return
+        times = timing.record_times(src, text)
         for i, p in enumerate(res if isinstance(res, list) else [res]):
             eid = self.config.engine_id or f"{src}:{labels.target_version}"[:MAX_NAME_LEN]
-            self._record(p, eid, stable_seq(src, origin, line_no, i, text), origin, line_no, text, None)
+            self._record(p, eid, stable_seq(src, origin, line_no, i, text), origin, line_no, text,
+                         self._span(origin, times[i] if i < len(times) else None))
+
+    def _span(self, origin: str, t: float | None) -> tuple[float, float] | None:
+        """A line record's window: from the previous timed record of the same file (a vLLM log line covers the
+        logging interval since the previous one) or its own time, to its own time; None when it has no time."""
+        if t is None:
+            return None
+        prev = self._last_time.get(origin)
+        self._last_time[origin] = t
+        start = prev if self.config.source == "vllm-log" and prev is not None and prev <= t else t
+        return (start, t)
 
     def scrape(self, text: str, line_no: int, origin: str, timestamp: float | None = None) -> None:
         """Parse and queue one Prometheus scrape (``vllm-prom``: one interval per engine; ``sglang-prom``: gauges)."""
@@ -175,38 +243,108 @@ class Ingestor:
         except SourceError as e:
             self._reject(origin, line_no, "malformed", e.reason, str(e), text)
             return
+        if scrape.timestamp is None:
+            self.summary.untimed_scrapes += 1  # stamped with the ingest time: see summary_lines
         if self._prom is None:
+            self._baselines = self._load_baselines()
             self._prom = vllm_prom.PromFollower(
                 SourceLabels(self.config.version or self.config.model or UNKNOWN, self.config.draft_version,
                              self.config.request_type),
-                version=self.config.version, model_name=None)
+                version=self.config.version, model_name=None,
+                baselines={k: vllm_prom.Baseline(b.series, b.timestamp, b.own_time, stored=True)
+                           for k, b in self._baselines.items()})
         try:
-            results = self._prom.feed(scrape)
+            results = self._prom.feed(scrape, fallback_time=time.time())
         except (SourceError, ValueError) as e:
             self._reject(origin, line_no, "malformed", getattr(e, "reason", "bad_label"), str(e), text)
             return
-        for (model, engine), start, end, parsed in results:
-            eid = self.config.engine_id or f"vllm:{engine}"[:MAX_NAME_LEN]
-            seq = stable_seq("vllm-prom", model, engine, start, end, parsed.totals.get("drafts"),
-                             parsed.totals.get("accepted"))
-            self._record(parsed, eid, seq, origin, line_no, f"[model_name={model} engine={engine}]", (start, end))
+        for res in results:
+            model, engine = res.key
+            if res.parsed.notes and "counter_reset" in res.parsed.notes:
+                self.summary.restarts.append({"series": f"{model}|{engine}", "between": [res.start, res.end]})
+            # the interval's id comes from its two ends' counters: re-ingesting it, or the same scrapes in
+            # other files, stores it once
+            self._record(res.parsed, self._engine_id(engine), res.interval_id, origin, line_no,
+                         f"[model_name={model} engine={engine}]", (res.start, res.end))
+
+    def _engine_id(self, engine: str) -> str:
+        """The store's engine id of a vLLM engine series (``--engine-id`` for every series when given)."""
+        return self.config.engine_id or f"vllm:{engine}"[:MAX_NAME_LEN]
+
+    def _load_baselines(self) -> dict[vllm_prom.SeriesKey, vllm_prom.Baseline]:
+        """Each series' last scrape stored by a previous run (none with ``--dry-run`` or a store failure)."""
+        if self._store is None:
+            return {}
+        try:
+            stored = self._store.scrape_baselines(self.config.source)
+        except StoreError as e:
+            self.summary.store_failures += 1
+            self.summary.last_error = f"store (reading the last scrapes of earlier runs): {e}"
+            return {}
+        out = {}
+        for b in stored:
+            model, _, engine = b.series.rpartition("|")
+            if b.engine_id != self._engine_id(engine):
+                continue
+            try:
+                out[(model, engine)] = vllm_prom.Baseline(vllm_prom.Series.from_state(b.state), b.scraped_at,
+                                                          b.own_time, stored=True)
+            except (ValueError, KeyError, TypeError) as e:  # a damaged row: this run starts a new baseline
+                self._reject("store", 0, "malformed", "bad_baseline", f"stored scrape of {b.series}: {e}", "")
+        return out
+
+    def _save_baselines(self) -> None:
+        """Store each series' newest scrape of this run as the next run's baseline (once its windows are stored),
+        unless it is not after the one already stored (a re-ingested older file)."""
+        if self._store is None or self._prom is None:
+            return
+        todo = []
+        for key, last in self._prom.last.items():
+            old = self._baselines.get(key)
+            if last.stored or self._saved.get(key) is last:
+                continue
+            if old is not None and not vllm_prom.is_after(last.series, last.timestamp, last.own_time, old.series,
+                                                          old.timestamp, old.own_time):
+                continue
+            todo.append((key, last))
+        if not todo:
+            return
+        try:
+            self._store.save_scrape_baselines([
+                ScrapeBaseline(self.config.source, self._engine_id(k[1]), f"{k[0]}|{k[1]}", b.timestamp, b.own_time,
+                               b.series.to_state()) for k, b in todo])
+        except StoreError as e:
+            self.summary.store_failures += 1
+            self.summary.last_error = f"store (saving the last scrapes for the next run): {e}"
+            return
+        for key, last in todo:
+            self._saved[key] = last
+            self._baselines[key] = last
 
     def _record(self, p: Parsed, engine_id: str, seq: int, origin: str, line_no: int, raw: str,
                 span: tuple[float, float] | None) -> None:
         s = self.summary
         s.records += 1
         s.totals.update({k: int(v) for k, v in p.totals.items()})
+        if "drafts" in p.totals and "accepted" in p.totals:  # both sides of the mean, or neither
+            s.mean_totals.update({k: int(p.totals[k]) for k in ("drafts", "accepted")})
+        s.stored_totals.update({"rows": sum(w.rows for w in p.acceptance),
+                                "accepted": sum(w.accepted for w in p.acceptance)})
         s.notes.update(p.notes)
         if p.observation is not None:
             s.observations.append({"origin": origin, "line": line_no, **p.observation})
-        if p.skipped is not None and p.skipped not in ("first_scrape", "idle"):
-            self._reject(origin, line_no, "skipped", p.skipped, p.detail, raw)
+        if p.skipped is not None and p.skipped not in QUIET_SKIPS:
+            kind = "partial" if p.acceptance else "skipped"
+            self._reject(origin, line_no, kind, p.skipped, p.detail, raw)
         elif p.skipped is not None:
             s.skipped[p.skipped] += 1  # nothing to keep: a baseline scrape or an interval without drafts
         if not p.acceptance and not p.cost:
             return
-        now = time.time()
-        start, end = span if span is not None else (now, now)
+        if span is None:  # the record carries no time of its own: the ingest time, counted and reported
+            s.untimed_windows += 1
+            now = time.time()
+            span = (now, now)
+        start, end = span
         self._pending.append(WindowBatch(engine_id=engine_id, seq=seq, window_start=min(start, end),
                                          window_end=end, acceptance=p.acceptance, cost=p.cost))
         s.acceptance_windows += len(p.acceptance)
@@ -215,7 +353,8 @@ class Ingestor:
             self.flush()
 
     def _reject(self, origin: str, line_no: int, kind: str, reason: str, detail: str, raw: str) -> None:
-        (self.summary.malformed if kind == "malformed" else self.summary.skipped)[reason] += 1
+        s = self.summary
+        (s.malformed if kind == "malformed" else s.partial if kind == "partial" else s.skipped)[reason] += 1
         r = Reject(origin, line_no, kind, reason, detail, raw[:MAX_RAW_KEPT])
         self.rejects.append(r)
         if self._rejects_out is not None:
@@ -228,17 +367,17 @@ class Ingestor:
         if self._store is None:  # --dry-run: parsed and counted, not stored
             self._pending.clear()
             return True
-        if not self._pending:
-            return True
-        try:
-            fresh = self._store.ingest_new(self._pending)
-        except StoreError as e:  # the store translates every database error
-            self.summary.store_failures += 1
-            self.summary.last_error = f"store: {e}"
-            return False
-        self.summary.batches_new += len(fresh)
-        self.summary.batches_duplicate += len(self._pending) - len(fresh)
-        self._pending.clear()
+        if self._pending:
+            try:
+                fresh = self._store.ingest_new(self._pending)
+            except StoreError as e:  # the store translates every database error
+                self.summary.store_failures += 1
+                self.summary.last_error = f"store: {e}"
+                return False
+            self.summary.batches_new += len(fresh)
+            self.summary.batches_duplicate += len(self._pending) - len(fresh)
+            self._pending.clear()
+        self._save_baselines()  # only once every window before it is stored
         return True
 
 
@@ -295,43 +434,81 @@ def follow(ing: Ingestor, url: str, interval_s: float, stop: threading.Event, ma
     the windows queued for the next poll. Returns the number of scrapes attempted.
     """
     n = 0
-    while not stop.is_set() and (max_scrapes is None or n < max_scrapes):
-        n += 1
-        t0 = time.monotonic()
-        try:
-            text = fetch(url, timeout_s)
-        except IngestError as e:
-            ing._reject(url, n, "malformed", "scrape_failed", str(e), "")
-        else:
-            ing.scrape(text, n, url, time.time())
-        ing.flush()
-        if on_scrape is not None:
-            on_scrape(n)
-        if max_scrapes is not None and n >= max_scrapes:
-            break
-        stop.wait(max(0.0, interval_s - (time.monotonic() - t0)))
+    try:
+        while not stop.is_set() and (max_scrapes is None or n < max_scrapes):
+            n += 1
+            t0 = time.monotonic()
+            try:
+                text = fetch(url, timeout_s)
+            except IngestError as e:
+                ing._reject(url, n, "malformed", "scrape_failed", str(e), "")
+            else:
+                fetched_at = time.time()  # the scrape's own time: vLLM's exposition carries no sample timestamps
+                try:
+                    ing.scrape(text, n, url, fetched_at)
+                except Exception as e:  # a long-running follower rejects what it cannot read, and goes on
+                    ing._reject(url, n, "malformed", "scrape_error", f"{type(e).__name__}: {e}", text)
+            ing.flush()
+            if on_scrape is not None:
+                on_scrape(n)
+            if max_scrapes is not None and n >= max_scrapes:
+                break
+            stop.wait(max(0.0, interval_s - (time.monotonic() - t0)))
+    finally:
+        ing.flush()  # what this run read is stored whatever stopped it
     return n
 
 
 def summary_lines(s: IngestSummary, rejects_path: str | None) -> Iterator[str]:
-    """The human-readable summary of a run."""
+    """The human-readable summary of a run.
+
+    The mean acceptance length (bonus token counted, as vLLM counts it) is ``1 + accepted / drafts`` over the
+    records that determine both; a record's accepted tokens never count without its drafts.
+    """
     yield (f"{s.records} records: {s.acceptance_windows} acceptance and {s.cost_windows} cost windows, "
            f"{s.batches_new} new window batches stored ({s.batches_duplicate} already stored)")
-    drafts, accepted = s.totals.get("drafts", 0), s.totals.get("accepted", 0)
+    drafts, accepted = s.mean_totals.get("drafts", 0), s.mean_totals.get("accepted", 0)
     if drafts:
-        yield f"all records: {drafts} drafts, {accepted} accepted, mean acceptance length {1 + accepted / drafts:.3f}"
+        yield (f"records with a draft count: {drafts} drafts, {accepted} accepted, mean acceptance length "
+               f"{1 + accepted / drafts:.3f}")
+    uncounted = s.totals.get("accepted", 0) - accepted
+    if uncounted:
+        yield f"{uncounted} accepted tokens of records without a draft count are not in that mean"
+    rows = s.stored_totals.get("rows", 0)
+    if rows:
+        yield (f"stored acceptance windows: {rows} rows, mean acceptance length "
+               f"{1 + s.stored_totals.get('accepted', 0) / rows:.3f}")
     if s.malformed:
         yield "rejected (malformed): " + ", ".join(f"{k} {v}" for k, v in sorted(s.malformed.items()))
+    if s.partial:
+        yield "partly stored (kept): " + ", ".join(f"{k} {v}" for k, v in sorted(s.partial.items()))
     if s.skipped:
         yield "no window (kept): " + ", ".join(f"{k} {v}" for k, v in sorted(s.skipped.items()))
+    for reason in sorted({*s.malformed, *s.partial, *s.skipped} - set(QUIET_SKIPS)):
+        if reason in REASONS:
+            yield f"  {reason}: {REASONS[reason]}"
     if s.notes.get("mixed_draft_lengths"):
         yield f"warning: {s.notes['mixed_draft_lengths']} records: {MIXED_WARNING}"
+    if s.notes.get("totals_only"):
+        yield f"warning: {s.notes['totals_only']} records: {TOTALS_WARNING}"
     if s.notes.get("counter_reset"):
         yield f"note: {s.notes['counter_reset']} counter resets (engine restarts): counted from zero after each"
     if s.observations:
         yield (f"{len(s.observations)} observations without a window (gauges, batch size, latency) are in the "
                "--summary-json output")
+    if s.untimed_scrapes:
+        yield (f"note: {s.untimed_scrapes} scrapes had no time of their own (no '# SCRAPE <unix s>' mark, no sample "
+               "timestamp): they carry the ingest time. Write a mark before each, e.g. `{ echo \"# SCRAPE $(date "
+               "+%s)\"; curl -s URL; } >> scrapes.prom`, or use --follow URL")
+    if s.untimed_windows:
+        yield (f"note: {s.untimed_windows} window batches carry the ingest time: their records hold no time of "
+               "their own")
     if s.store_failures:
         yield f"warning: {s.store_failures} store failures; last: {s.last_error}"
-    if rejects_path and (s.malformed or any(k not in ("first_scrape", "idle") for k in s.skipped)):
-        yield f"rejected and skipped records, with line numbers and text: {rejects_path}"
+    if rejects_path and (s.malformed or s.partial or any(k not in QUIET_SKIPS for k in s.skipped)):
+        yield f"rejected, partly stored and skipped records, with line numbers and text: {rejects_path}"
+
+
+def all_rejected(s: IngestSummary) -> bool:
+    """True when the run read records and every one was malformed (nothing valid, nothing stored)."""
+    return bool(s.malformed) and s.records == 0

@@ -41,16 +41,16 @@ def test_every_source_into_the_store_once(db_url: str) -> None:
         cost = store.cost_windows()
     s = stored["vllm-prom"]
     assert (s.acceptance_windows, s.skipped["mixed_draft_lengths"], s.notes["counter_reset"]) == (2, 1, 1)
-    assert stored["vllm-log"].malformed == {"bad_log_line": 1}
+    assert stored["vllm-log"].malformed == {"bad_log_line": 1, "mean_contradicts_counts": 1}
     assert stored["vllm-request"].malformed == {"bad_json": 1, "inconsistent_counts": 1}
     assert stored["vllm-request"].acceptance_windows == 3
     assert stored["sglang"].malformed == {"inconsistent_counts": 1, "bad_json": 1}
-    assert stored["trtllm"].skipped == {"no_spec_stats": 1, "histogram_unknown": 1, "mixed_draft_lengths": 1}
-    assert stored["trtllm"].cost_windows == 3 and stored["trtllm"].acceptance_windows == 2
+    assert stored["trtllm"].skipped == {"no_spec_stats": 1, "histogram_unknown": 2, "mixed_draft_lengths": 1}
+    assert stored["trtllm"].cost_windows == 3 and stored["trtllm"].acceptance_windows == 1
     targets = {w.window.target_version for w in acc}
     assert targets == {MODEL, "Qwen/Qwen3-8B", "llama-70b"}  # each engine's model name is the target version
     assert {w.window.request_type for w in acc} == {"unknown"}
-    assert {w.window.target_version for w in cost} == {"llama-70b"}
+    assert {w.window.target_version for w in cost} == {"llama-70b", MODEL}  # vLLM: latency histogram
     assert sum(1 for w in acc if w.window.target_version == MODEL) == 2 + 2 + 3
 
 
@@ -74,8 +74,8 @@ def test_cli_ingest_keeps_rejects_with_line_numbers(tmp_path: Path, sqlite_url: 
 def test_cli_ingest_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = spectune(["ingest", "vllm-log", str(FIXTURES / "vllm_spec.log"), "--dry-run",
                    "--rejects", str(tmp_path / "r.jsonl")])
-    assert rc == 0  # no model name: every spec line is rejected with the reason, nothing crashes
-    assert "no_model_name 3" in capsys.readouterr().out
+    assert rc == 2  # no model name: refused up front, with what to pass
+    assert "--model" in capsys.readouterr().err
     assert spectune(["ingest", "vllm-log", "--follow", "http://127.0.0.1:1/metrics"]) == 2
     assert "vllm-prom" in capsys.readouterr().err
 
@@ -133,4 +133,4 @@ def test_cli_follow(metrics_server: str, sqlite_url: str, tmp_path: Path, capsys
     rc = spectune(["ingest", "vllm-prom", "--follow", metrics_server, "--interval", "0.01", "--scrapes", "2",
                    "--db-url", sqlite_url, "--auto-upgrade", "--rejects", str(tmp_path / "r.jsonl")])
     assert rc == 0
-    assert "1 acceptance and 0 cost windows, 1 new window batches stored" in capsys.readouterr().out
+    assert "1 acceptance and 1 cost windows, 1 new window batches stored" in capsys.readouterr().out

@@ -71,21 +71,23 @@ def test_prom_malformed_exposition_is_a_clear_error() -> None:
 
 def test_hist_from_tail_rejects_rising_counts() -> None:
     assert hist_from_tail(10, [6, 3]) == [4, 3, 3]
-    with pytest.raises(SourceError, match="inconsistent_counts"):
+    with pytest.raises(SourceError, match="per_position_rising"):
         hist_from_tail(10, [3, 6])
 
 
 # ---------------------------------------------------------------------------------------------- vLLM log
 def test_vllm_log_lines() -> None:
-    out = [vllm_log.parse_line(line, LABELS) if "abc" not in line else None for line in lines("vllm_spec.log")]
+    ls = lines("vllm_spec.log")
+    out = [vllm_log.parse_line(line, LABELS) if i not in (4, 5) else None for i, line in enumerate(ls)]
     assert out[0] is None and out[1] is None and out[6] is None  # other log output
-    first, rounded, mixed = out[2], out[3], out[4]
+    first, rounded = out[2], out[3]
     assert first is not None and first.acceptance[0].hist == (40, 40, 50, 70)
     assert rounded is not None
     (w,) = rounded.acceptance
     assert (w.k, w.rows, w.accepted) == (4, 1234, 2443)  # Drafted / K; rates to 3 decimals, adding up exactly
     assert w.acceptance_curve() == pytest.approx([0.800, 0.567, 0.369, 0.244], abs=5e-4)
-    assert mixed is not None and mixed.skipped == "mixed_draft_lengths"
+    with pytest.raises(SourceError, match="mean_contradicts_counts"):  # rates add up to 1.5 N, the mean to 0.75 N
+        vllm_log.parse_line(ls[4], LABELS)
     with pytest.raises(SourceError, match="bad_log_line"):
         vllm_log.parse_line(lines("vllm_spec.log")[5], LABELS)
 
@@ -147,7 +149,7 @@ def test_trtllm_iterations() -> None:
     pair = trtllm.parse_line(ls[2], LABELS)  # a JSON list of iterations, as /metrics returns
     assert pair is not None and len(pair) == 2
     assert pair[0].acceptance[0].hist == (1, 3)  # k = 1: the totals fix it
-    assert pair[1].acceptance[0].hist == (0, 0, 0, 4)  # everything accepted
+    assert not pair[1].acceptance and pair[1].skipped == "histogram_unknown"  # all accepted: chosen by outcome
     assert pair[1].cost[0].draft_s.total == pytest.approx(0.2 * 0.015)  # from draftOverhead
     with pytest.raises(SourceError, match="bad_field"):
         trtllm.parse_line(ls[3], LABELS)

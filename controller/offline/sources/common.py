@@ -8,8 +8,12 @@ Conventions (the vocabulary of ``telemetry/records.py``):
   version unless given, the context bucket unless the record says where the request's context started and ended
   and both fall in one bucket. Nothing is guessed.
 - An acceptance window needs the histogram of accepted drafts at one draft length k. A record that cannot give
-  it exactly (draft lengths mixed within the record, totals without a distribution) yields no window: it is
-  *skipped* with a countable reason, and its totals are kept in the summary.
+  it exactly (draft lengths mixed within the record, totals without a distribution) yields no window, or only
+  the part of one its counts determine: it is *skipped* (or *partly stored*) with a countable reason, and its
+  totals are kept in the summary. A record's ``totals`` name ``drafts`` (rows) only where the record determines
+  them, and the summary's mean acceptance length is taken over exactly those records.
+- Every reason a record is rejected or skipped is one of :data:`REASONS` (a short label and what it means), so a
+  truncated value, a counter that went down and an engine restart are never reported as one another.
 - ``emitted = accepted + rows`` (the bonus token counted, as vLLM counts acceptance length); engines report the
   verifier's view, so a row that finished mid-draft is counted as if it had emitted its bonus token.
 """
@@ -33,6 +37,82 @@ from telemetry.wire import check_label
 
 UNKNOWN = "unknown"  # the label of what a source cannot know (request type, context bucket, draft version)
 SEQ_MASK = (1 << 63) - 1  # window batch seqs are stored as BIGINT
+
+# Why a record was rejected (malformed) or yields no window (skipped), one label each, with what it means for the
+# operator. The summary prints the meaning of every reason it counts.
+REASONS: dict[str, str] = {
+    "truncated": "the record ends before its last field (a log line or file cut off mid-write)",
+    "bad_log_line": "the marker is there but the fields are not in the engine's format",
+    "bad_json": "not a JSON object",
+    "bad_field": "a field is not a number, or out of its range",
+    "missing_field": "a field the format requires is absent",
+    "counter_went_down": "some counters went down while others did not: not a restart (a truncated or edited value?)",
+    "counter_reset": "every counter went down together: the engine restarted; counted from zero after it",
+    "per_position_exceeds_drafts": "more rows accepted a position than drafted at all",
+    "per_position_rising": "more rows accepted a later position than an earlier one",
+    "accepted_exceeds_drafted": "more draft tokens accepted than drafted",
+    "mean_contradicts_counts": "the printed mean acceptance length contradicts the record's own counts",
+    "inconsistent_counts": "the record's counts contradict each other",
+    "mixed_draft_lengths": ("rows of several draft lengths in one record (a batch-size schedule such as vLLM's "
+                            "num_speculative_tokens_per_batch_size, or adaptive steps): only what the counts "
+                            "determine is stored"),
+    "histogram_unknown": "totals only: which rows accepted how many drafts is not reported",
+    "draft_count_unknown": "the number of rows that drafted cannot be told from the record",
+    "no_model_name": "the record names no model; pass --model NAME or --version V",
+    "no_spec_stats": "no speculative-decoding fields (speculation off?)",
+    "no_spec_decode_counters": "no speculative-decoding counters (speculation off?)",
+    "first_scrape": "cumulative counters: the first scrape or line is the baseline of the next",
+    "idle": "nothing drafted in the interval",
+    "scrape_failed": "the /metrics URL did not answer",
+    "scrape_error": "the scrape could not be read for a reason no check foresaw (the error is kept with it)",
+    "out_of_order": "counters below the previous scrape's of the same engine instance: an older scrape",
+    "before_baseline": "not after the last scrape a previous run stored (re-ingested): it starts this run's intervals",
+    "bad_baseline": "the last scrape a previous run stored cannot be read back: this run starts a new baseline",
+    "bad_exposition": "not Prometheus text format, or spec-decode series without their labels",
+}
+
+# What each source cannot give ``spectune tune`` and how an operator supplies it, per kind of window
+# (``acceptance`` / ``cost``). Read by ``spectune tune`` when a store lacks one kind of window.
+MISSING: dict[str, dict[str, str]] = {
+    "vllm-log": {
+        "cost": ("vLLM's log lines carry acceptance only, no per-round time: ingest vLLM's /metrics (`spectune "
+                 "ingest vllm-prom`), whose inter-token latency histogram and running-request gauge give cost, "
+                 "or pass `spectune tune --calibration`"),
+        "acceptance": ("`Speculative metrics:` lines (vLLM v0) give totals without a histogram; acceptance "
+                       "windows come from them only at num_speculative_tokens=1. Upgrade to vLLM v1 "
+                       "(`SpecDecoding metrics:` lines carry per-position rates) or ingest vllm-prom"),
+    },
+    "trtllm": {
+        "acceptance": ("TensorRT-LLM's iteration stats (specDecodingStats) give per-iteration totals, not which "
+                       "request accepted how many drafts; the histogram is determined only for iterations with one "
+                       "drafting request (numRequestsWithDraftTokens == 1) or k = 1. Capture stats at low load "
+                       "(max_batch_size 1, or concurrency 1 for a few minutes) so such iterations exist, then "
+                       "ingest them again"),
+        "cost": "",
+    },
+    "sglang": {
+        "cost": ("SGLang reports no per-step time: meta_info's e2e_latency spans the request's whole life "
+                 "(queueing and prefill included) and the /metrics gauges sglang:gen_throughput and "
+                 "sglang:num_running_reqs are snapshots at the last decode log, without a step count "
+                 "(python/sglang/srt/managers/scheduler_metrics_mixin.py). Supply cost with "
+                 "`spectune tune --calibration` (a cost profile measured for the model pair), or ingest the same "
+                 "model pair's cost from another engine"),
+        "acceptance": ("meta_info without spec_correct_drafts_histogram (SGLang older than the histogram) "
+                       "gives totals only: upgrade SGLang, or ingest requests served with one draft length"),
+    },
+    "sglang-prom": {
+        "acceptance": ("SGLang's gauges give a mean acceptance length without a histogram: ingest the requests' "
+                       "meta_info (`spectune ingest sglang FILE`, return_meta_info / --enable-metrics output)"),
+        "cost": "",
+    },
+}
+
+
+def missing_text(source: str, kind: str) -> str | None:
+    """What ``source`` cannot give of ``kind`` (``acceptance`` or ``cost``) windows and how to supply it; None
+    when nothing is missing or the source is not known here."""
+    text = MISSING.get(source, {}).get(kind, "")
+    return text or None
 
 
 class SourceError(CountableError):
@@ -137,13 +217,15 @@ def hist_from_tail(drafts: int, at_least: list[int]) -> list[int]:
         ``[k + 1]`` rows that accepted exactly 0..k drafts.
 
     Raises:
-        SourceError: ``inconsistent_counts`` when the counts rise with the position or exceed ``drafts``.
+        SourceError: ``per_position_exceeds_drafts`` when a count exceeds ``drafts``, ``per_position_rising``
+            when the counts rise with the position.
     """
+    if any(c > drafts for c in at_least):
+        raise SourceError("per_position_exceeds_drafts", f"per-position counts {at_least} exceed drafts={drafts}")
     tail = [drafts, *at_least, 0]
     hist = [tail[i] - tail[i + 1] for i in range(len(at_least))] + [at_least[-1] if at_least else drafts]
     if any(h < 0 for h in hist):
-        raise SourceError("inconsistent_counts", f"per-position counts {at_least} are not non-increasing "
-                                                 f"from drafts={drafts}")
+        raise SourceError("per_position_rising", f"per-position counts {at_least} rise with the position")
     return hist
 
 

@@ -15,9 +15,14 @@ An iteration is one round: it becomes a **cost window** (rounds 1, the drafting 
 ``verify_s``; TensorRT-LLM does not split them, so ``other_s`` is zero). Draft lengths per row are not reported:
 the iteration counts as one k only when ``numDraftTokens == rows * k``.
 
-It carries totals, not a histogram, so an **acceptance window** follows only where the totals fix the histogram:
-k = 1, nothing accepted, or everything accepted. Other iterations are skipped as ``histogram_unknown`` (their
-totals are in the summary); per-request ``acceptance_histogram`` output is the way to full acceptance curves.
+It carries totals, not a histogram, so an **acceptance window** follows only from iterations whose totals fix
+the histogram *whatever the outcome*: one drafting request (``numRequestsWithDraftTokens == 1``: its accepted
+count is the histogram) or k = 1 (``[rows - accepted, accepted]``). Keeping only the iterations where
+everything or nothing was accepted would also fix a histogram, but choosing iterations by their outcome biases the
+curve toward both extremes, so they are not kept as windows. Other iterations are skipped as
+``histogram_unknown``, their totals in the summary's mean (note ``totals_only``). To tune k > 1 from TensorRT-LLM
+alone, capture iterations at low load (one request drafting at a time), where every iteration is determined;
+:data:`~controller.offline.sources.common.MISSING` says so to ``spectune tune``.
 A line may also hold a JSON list of iterations (what ``/metrics`` returns).
 """
 
@@ -92,7 +97,7 @@ def parse_iteration(it: dict[str, Any], labels: SourceLabels) -> Parsed:
     cost = _cost_window(labels, rows, k, accepted, draft_ms * MS, (total_ms - draft_ms) * MS)
     hist = _determined_hist(rows, k, accepted)
     if hist is None:
-        return Parsed(cost=(cost,), skipped="histogram_unknown", totals=totals,
+        return Parsed(cost=(cost,), skipped="histogram_unknown", notes=("totals_only",), totals=totals,
                       detail=(f"totals only (rows {rows}, k {k}, accepted {accepted}): which rows accepted how "
                               "many is not reported; cost window stored, acceptance not"),
                       observation={"acceptance_length": (accepted + rows) / rows})
@@ -111,16 +116,14 @@ def _draft_ms(spec: dict[str, Any], total_ms: float) -> float:
 
 
 def _determined_hist(rows: int, k: int, accepted: int) -> list[int] | None:
-    """The histogram when the totals fix it (k = 1, none accepted, all accepted); None otherwise."""
+    """The histogram when the totals fix it for every outcome (one drafting row, or k = 1); None otherwise."""
     hist = [0] * (k + 1)
-    if accepted == 0:
-        hist[0] = rows
-    elif accepted == rows * k:
-        hist[k] = rows
+    if rows == 1:
+        hist[accepted] = 1
     elif k == 1:
         hist[0], hist[1] = rows - accepted, accepted
     else:
-        return None
+        return None  # e.g. all-accepted iterations also fix it, but keeping them by outcome would bias the curve
     return hist
 
 
