@@ -347,7 +347,8 @@ def tune_and_export(db_url: str, preset: Preset, seed: int, work: Path, say: Cal
     full = pj.table_k(tuned, traffic)
     # batch buckets the tune windows never saw keep the per-row model's projection
     schedule = {**pj.project_batches(traffic, full), **replay.best_schedule(tuned)}
-    exports = {"vllm": ex.vllm_export(schedule), "trtllm": ex.trtllm_export(schedule)}
+    # only the schedules matter here (their decision functions), not a startable engine config
+    exports = {"vllm": ex.vllm_export(schedule, table_only=True), "trtllm": ex.trtllm_export(schedule, table_only=True)}
     cells = sorted({(rt, bb, spec.context) for rep in (replay, held)
                     for spec, bb in zip(rep.load.specs, rep.load.buckets, strict=True) for rt in rep.load.types})
     tables: dict[str, Any] = {"default": policy_table_from_json(seed_path.read_bytes()), "tuned": tuned}

@@ -30,6 +30,7 @@ from engine.profiles import DEFAULT_PROFILE, PROFILE_HELP, PROFILE_NAMES
 from telemetry.urls import redact_url
 
 EXIT_USAGE = 2  # bad arguments and expected failures, as argparse uses
+REPORT_VIEWS = ("k", "position", "cost")  # spectune report --by (controller/report.py)
 BENCHES = ("engine", "telemetry", "policies", "controller", "tuning", "drift", "faults", "vllm")
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_DB_URL = "sqlite:///spectune.sqlite"
@@ -155,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="summarise stored windows and policy versions")
     p.add_argument("--db-url", default=db_default)
+    p.add_argument("--by", choices=REPORT_VIEWS, default=None,
+                   help="k: acceptance length per draft length; position: P(accepted >= i | k) per position; "
+                        "cost: round seconds, tokens verified and goodput per batch bucket (default: the summary)")
     return ap
 
 
@@ -458,6 +462,19 @@ def _report(args: argparse.Namespace) -> int:
     from telemetry.store import Store
 
     console = Console()
+    if args.by is not None:
+        from controller.report import report_by
+
+        with Store(args.db_url) as store:
+            acc_w, cost_w = store.acceptance_windows(), store.cost_windows()
+        title, columns, lines = report_by(args.by, [w.window for w in acc_w], [w.window for w in cost_w])
+        view = Table(title=title)
+        for col in columns:
+            view.add_column(col)
+        for line in lines:
+            view.add_row(*line)
+        console.print(view)
+        return 0
     with Store(args.db_url) as store:
         acc = store.acceptance_windows()
         versions = store.policy_versions(limit=10)

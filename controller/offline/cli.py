@@ -15,7 +15,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from controller.offline.ingest import SOURCES, IngestConfig, IngestError, Ingestor, follow, ingest_paths, summary_lines
+from controller.offline.ingest import (
+    MODEL_FREE_SOURCES,
+    SOURCES,
+    IngestConfig,
+    IngestError,
+    Ingestor,
+    RejectsFile,
+    all_rejected,
+    follow,
+    ingest_paths,
+    summary_lines,
+)
 from telemetry.store import DEFAULT_DB_URL
 
 COMMANDS = ("ingest", "export")
@@ -58,8 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-version", default=None)
     p.add_argument("--context-grid", action="store_true", help="vllm: [bs_lo, bs_hi, ctx_lo, ctx_hi, K] entries")
     p.add_argument("--max-batch-size", type=int, default=None, help="trtllm: the engine's largest batch")
-    p.add_argument("--base", default=None, help="vllm: JSON merged into the speculative config (method, model)")
+    p.add_argument("--base", default=None, help="vllm: JSON merged into the speculative config (vLLM 0.32 "
+                                                 "SpeculativeConfig fields: method, model, ...)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="vllm, trtllm: the draft model directory or Hub id (vLLM's model, TensorRT-LLM's "
+                        "speculative_model_dir)")
+    p.add_argument("--method", default=None, help="vllm: the speculative method (default draft_model with "
+                                                   "--draft-model)")
+    p.add_argument("--decoding-type", default="Draft_Target", choices=("Draft_Target", "NGram"),
+                   help="trtllm: speculative_config.decoding_type")
+    p.add_argument("--table-only", action="store_true",
+                   help="vllm, trtllm: write the schedule without the draft model or method the engine needs to "
+                        "start (a note says it is not startable as is)")
     p.add_argument("--out", type=Path, default=None, help="write the config here instead of stdout")
+    p.add_argument("--calibration", type=Path, default=None,
+                   help="a recorded sweep for the cost of the prediction, as `spectune tune --calibration` (default: "
+                        "the cost model fitted on the stored cost windows)")
+    p.add_argument("--profile", default="xl", help="the --calibration sweep's profile (as spectune tune's)")
     return ap
 
 
@@ -78,37 +104,43 @@ def _ingest(args: argparse.Namespace) -> int:
         raise IngestError("--follow polls a Prometheus /metrics endpoint: use it with vllm-prom or sglang-prom")
     if args.interval <= 0:
         raise IngestError("--interval must be > 0 seconds")
+    if args.source in MODEL_FREE_SOURCES and not (args.model or args.version):
+        raise IngestError(f"{args.source} records name no model: pass --model NAME (the served model's name) or "
+                          "--version V (the target version every window is stored under)")
     cfg = IngestConfig(source=args.source, version=args.version, model=args.model,
                        draft_version=args.draft_version, request_type=args.request_type, engine_id=args.engine_id)
     rejects_path = args.rejects or Path(f"spectune-rejects-{args.source}.jsonl")
     store = None if args.dry_run else Store(args.db_url, auto_upgrade=args.auto_upgrade)
+    rejects = RejectsFile(rejects_path)  # opened at the first reject; never removed or replaced
     try:
-        with rejects_path.open("a", encoding="utf-8") as rejects:
-            ing = Ingestor(cfg, store, rejects)
-            if args.follow:
-                stop = threading.Event()
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    signal.signal(sig, lambda *_: stop.set())
-                if args.duration is not None:
-                    timer = threading.Timer(args.duration, stop.set)
-                    timer.daemon = True  # --scrapes may end the run first; the timer must not hold the process
-                    timer.start()
-                print(f"following {args.follow} every {args.interval:g}s (Ctrl-C stops)", file=sys.stderr)
-                follow(ing, args.follow, args.interval, stop, max_scrapes=args.scrapes,
-                       on_scrape=lambda n: print(f"scrape {n}: {ing.summary.acceptance_windows} acceptance "
-                                                 "windows so far", file=sys.stderr))
-                stop.set()
-            else:
-                ingest_paths(ing, args.paths)
+        ing = Ingestor(cfg, store, rejects)
+        if args.follow:
+            stop = threading.Event()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stop.set())
+            if args.duration is not None:
+                timer = threading.Timer(args.duration, stop.set)
+                timer.daemon = True  # --scrapes may end the run first; the timer must not hold the process
+                timer.start()
+            print(f"following {args.follow} every {args.interval:g}s (Ctrl-C stops)", file=sys.stderr)
+            follow(ing, args.follow, args.interval, stop, max_scrapes=args.scrapes,
+                   on_scrape=lambda n: print(f"scrape {n}: {ing.summary.acceptance_windows} acceptance "
+                                             "windows so far", file=sys.stderr))
+            stop.set()
+        else:
+            ingest_paths(ing, args.paths)
     finally:
+        rejects.close()
         if store is not None:
             store.close()
-    if rejects_path.exists() and rejects_path.stat().st_size == 0:
-        rejects_path.unlink()
-    for line in summary_lines(ing.summary, str(rejects_path)):
+    for line in summary_lines(ing.summary, str(rejects_path) if rejects.written else None):
         print(line)
     if args.summary_json is not None:
         args.summary_json.write_text(json.dumps(ing.summary.to_dict(), indent=1, default=str))
+    if all_rejected(ing.summary):
+        print(f"error: every record was rejected ({sum(ing.summary.malformed.values())}); nothing was stored. "
+              f"See the reasons above and the records in {rejects_path}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -148,16 +180,18 @@ def _export(args: argparse.Namespace) -> int:
     schedule = pj.project_batches(traffic, full)
     contexts = DEFAULT_BUCKETS.context_labels()
     grid = pj.project_grid(traffic, full, contexts) if args.context_grid else None
-    replay = _replay(stored, table)
+    replay = _replay(stored, table, args.calibration, args.profile)
     if replay is not None:  # cost windows stored: the packed-round cost model chooses among the table's ks
         schedule.update(replay.best_schedule(table))
         if grid is not None:
             grid.update(replay.best_schedule(table, by_context=True))
     if args.engine == "vllm":
         base = _json_arg(args.base, "--base") if args.base else None
-        out = ex.vllm_export(schedule, grid, contexts, base)
+        out = ex.vllm_export(schedule, grid, contexts, base, draft_model=args.draft_model, method=args.method,
+                             table_only=args.table_only)
     elif args.engine == "trtllm":
-        out = ex.trtllm_export(schedule, args.max_batch_size)
+        out = ex.trtllm_export(schedule, args.max_batch_size, draft_model=args.draft_model,
+                               decoding_type=args.decoding_type, table_only=args.table_only)
     elif args.engine == "sglang":
         out = ex.sglang_export(pj.best_k(traffic, full, traffic.batches))
     elif args.engine == "sglang-adaptive":
@@ -165,7 +199,7 @@ def _export(args: argparse.Namespace) -> int:
         out = ex.sglang_adaptive_export(cands, schedule, str(args.out or "adaptive.json"))
     else:
         out = ex.hf_export(schedule[min(traffic.batches)] if 1 not in schedule else schedule[1])
-    text = json.dumps(out.config)
+    text = out.render()
     if args.out is not None:
         args.out.write_text(text + "\n")
     else:
@@ -180,26 +214,31 @@ def _export(args: argparse.Namespace) -> int:
         full_g = replay.score_table(table).tok_s
         proj_g = replay.score(lambda spec, bb: tuple(min(out.k_of(rt, bb, spec.context), replay.cal.K)
                                                      for rt in types)).tok_s
-        unit, how = "tok/s", f"replay of {replay.windows} stored windows (packed rounds, cost model fitted on them)"
+        unit, how = "tok/s", f"replay of {replay.windows} stored windows (packed rounds; {replay.notes[0]})"
     else:
         full_g = pj.predicted(traffic, full, out.batches)
         proj_g = pj.predicted(traffic, out.k_of, out.batches)
         unit = "tok/s" if traffic.has_seconds else "x plain decoding"
         how = f"analytic per-row model, traffic-weighted, for {'|'.join(traffic.versions)}"
-    loss = 100 * (1 - proj_g / full_g) if full_g > 0 else 0.0
+    loss, gain_note = pj.projection_loss(full_g, proj_g)
     print(f"predicted goodput ({how}; table v{table.version}): full table {full_g:.3f} {unit}, exported "
-          f"{proj_g:.3f} {unit} ({loss:.1f}% lost to the projection)", file=err)
+          f"{proj_g:.3f} {unit} ({100 * loss:.1f}% lost to the projection)", file=err)
+    if gain_note is not None:
+        print(f"note: {gain_note}", file=err)
     return 0
 
 
-def _replay(stored: tuple[list[Any], list[Any]], table: Any) -> Any:
-    """The stored windows as a replay (None without cost windows, or when they cannot be replayed)."""
-    from controller.offline.replay import ReplayError, Slice, build_replay
+def _replay(stored: tuple[list[Any], list[Any]], table: Any, calibration: Path | None = None,
+            profile: str | None = None) -> Any:
+    """The stored windows as a replay, the one ``spectune tune`` predicts with (None without cost windows nor a
+    calibration, or when they cannot be replayed)."""
+    from controller.offline.replay import ReplayError, Slice, store_replay
 
-    if not stored[1]:
+    if not stored[1] and calibration is None:
         return None
     try:
-        return build_replay(Slice(tuple(stored[0]), tuple(stored[1])), table.k_max, None, REPLAY_WINDOW_S)
+        return store_replay(Slice(tuple(stored[0]), tuple(stored[1])), table.k_max, calibration, profile,
+                            REPLAY_WINDOW_S)
     except ReplayError as e:
         print(f"note: the stored windows cannot be replayed ({e}); projecting with the per-row model",
               file=sys.stderr)

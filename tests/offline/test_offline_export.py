@@ -17,6 +17,7 @@ from telemetry.records import AcceptanceWindow, CostWindow, PolicyTable, Stat, W
 from telemetry.store import Store
 
 T, D = "target-v1", "draft-v1"
+DRAFT = "/models/draft-v1"  # a draft model path, as an operator passes it
 TABLE = PolicyTable(version=7, default_k=1, k_max=8, entries={
     f"{T}|{D}|code|*|*": 4, f"{T}|{D}|prose|*|*": 1, f"{T}|{D}|*|64|*": 0, f"{T}|{D}|*|128|*": 0,
     f"{T}|{D}|*|256|*": 0,
@@ -67,8 +68,9 @@ def test_projection_without_windows_votes_and_says_so() -> None:
 
 # -------------------------------------------------------------------------------------------------- vLLM
 def test_vllm_export_merges_ranges_and_notes_k0() -> None:
-    out = ex.vllm_export({1: 4, 2: 4, 8: 2, 64: 0, 256: 0})
+    out = ex.vllm_export({1: 4, 2: 4, 8: 2, 64: 0, 256: 0}, draft_model=DRAFT)
     assert out.config["num_speculative_tokens"] == 4
+    assert (out.config["method"], out.config["model"]) == ("draft_model", DRAFT)
     assert out.config["num_speculative_tokens_per_batch_size"] == [[1, 2, 4], [3, 8, 2], [9, 256, 0]]
     assert any("#49548" in n for n in out.notes)
     assert (out.k_of("x", 2, "<=512"), out.k_of("x", 8, "<=512"), out.k_of("x", 512, "<=512")) == (4, 2, 0)
@@ -76,7 +78,8 @@ def test_vllm_export_merges_ranges_and_notes_k0() -> None:
 
 def test_vllm_context_grid_is_rectangular() -> None:
     ctxs = ["<=512", ">512"]
-    out = ex.vllm_export({1: 4, 8: 2}, {(1, "<=512"): 4, (1, ">512"): 3, (8, "<=512"): 2, (8, ">512"): 0}, ctxs)
+    out = ex.vllm_export({1: 4, 8: 2}, {(1, "<=512"): 4, (1, ">512"): 3, (8, "<=512"): 2, (8, ">512"): 0}, ctxs,
+                         draft_model=DRAFT)
     assert out.config["num_speculative_tokens_per_batch_size"] == [
         [1, 1, 1, 512, 4], [1, 1, 513, ex.CTX_INFINITY, 3], [2, 8, 1, 512, 2], [2, 8, 513, ex.CTX_INFINITY, 0]]
     assert out.k_of("x", 1, ">512") == 3 and out.k_of("x", 8, "<=512") == 2
@@ -106,20 +109,21 @@ def test_vllm_rules(cfg: dict[str, Any], rule: str) -> None:
 
 def test_vllm_all_off_is_refused() -> None:
     with pytest.raises(ex.ExportError, match="without --speculative-config"):
-        ex.vllm_export({1: 0, 8: 0})
+        ex.vllm_export({1: 0, 8: 0}, draft_model=DRAFT)
 
 
 # ------------------------------------------------------------------------------------------------ TRT-LLM
 def test_trtllm_export_up_to_key() -> None:
-    out = ex.trtllm_export({1: 4, 2: 4, 8: 2, 64: 0, 256: 0})
+    out = ex.trtllm_export({1: 4, 2: 4, 8: 2, 64: 0, 256: 0}, draft_model=DRAFT)
     spec = out.config["speculative_config"]
-    assert spec == {"max_draft_len": 4, "draft_len_schedule": {"2": 4, "8": 2}}  # trailing off keys dropped
+    assert spec == {"decoding_type": "Draft_Target", "max_draft_len": 4, "speculative_model_dir": DRAFT,
+                    "draft_len_schedule": {2: 4, 8: 2}}  # trailing off keys dropped
     assert [out.k_of("x", b, "") for b in (1, 2, 3, 8, 9)] == [4, 4, 2, 2, 0]  # above the largest key: off
-    clamped = ex.trtllm_export({1: 2, 8: 3, 64: 1}, max_batch_size=512)
-    assert clamped.config["speculative_config"]["draft_len_schedule"] == {"8": 2, "512": 1}
+    clamped = ex.trtllm_export({1: 2, 8: 3, 64: 1}, max_batch_size=512, draft_model=DRAFT)
+    assert clamped.config["speculative_config"]["draft_len_schedule"] == {8: 2, 512: 1}
     assert any("clamped" in n for n in clamped.notes)
     with pytest.raises(ex.ExportError, match="smallest batch"):
-        ex.trtllm_export({1: 0, 8: 2})
+        ex.trtllm_export({1: 0, 8: 2}, draft_model=DRAFT)
 
 
 @pytest.mark.parametrize(("spec", "rule"), [
@@ -133,7 +137,8 @@ def test_trtllm_export_up_to_key() -> None:
 ])
 def test_trtllm_rules(spec: dict[str, Any], rule: str) -> None:
     with pytest.raises(ex.ExportError, match=rule):
-        ex.validate_trtllm({"speculative_config": spec})
+        ex.validate_trtllm({"speculative_config": {"decoding_type": "Draft_Target", "speculative_model_dir": DRAFT,
+                                                   **spec}})
 
 
 # ------------------------------------------------------------------------------------------- SGLang / HF
@@ -142,8 +147,8 @@ def test_sglang_and_hf_exports() -> None:
     assert s.args == ("--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
                       "--speculative-num-draft-tokens", "4")
     a = ex.sglang_adaptive_export({1: [1, 4], 8: [0, 1], 64: [0]}, {1: 4, 8: 1, 64: 0}, "cfg.json")
-    assert a.config == {"1": {"candidate_steps": [1, 4]}, "8": {"candidate_steps": [0, 1]},
-                        "64": {"candidate_steps": [0]}}
+    assert a.config == {"1": {"candidate_steps": [1, 4]}, "2": {"candidate_steps": [0, 1]},
+                        "9": {"candidate_steps": [0]}}  # SGLang keys a slot by its smallest batch size
     assert a.args[:3] == ("--speculative-adaptive", "--speculative-adaptive-config", "cfg.json")
     assert a.args[a.args.index("--speculative-num-steps") + 1] == "4"
     h = ex.hf_export(5)
@@ -181,7 +186,8 @@ def test_cli_export_from_the_store(db_url: str, tmp_path: Path, capsys: pytest.C
         store.save_policy_version(TABLE)
         store.ingest([WindowBatch("e", 1, 0.0, 1.0, acceptance=(acc("code", 900, 0.9), acc("prose", 100, 0.3)),
                                   cost=tuple(cost(b, 4) for b in (1, 8, 64)))])
-    assert spectune(["export", "vllm", "--db-url", db_url, "--base", '{"method": "eagle3"}']) == 0
+    assert spectune(["export", "vllm", "--db-url", db_url, "--base", f'{{"method": "eagle3", "model": "{DRAFT}"}}']
+                    ) == 0
     out, err = capsys.readouterr()
     cfg = json.loads(out)
     assert cfg["method"] == "eagle3" and cfg["num_speculative_tokens"] == 4
@@ -198,9 +204,9 @@ def test_cli_export_from_a_table_file(tmp_path: Path, capsys: pytest.CaptureFixt
     path = tmp_path / "table.json"
     path.write_text(table_to_json(TABLE))
     for engine in ("trtllm", "hf"):
-        assert spectune(["export", engine, "--table", str(path)]) == 0
+        assert spectune(["export", engine, "--table", str(path), "--draft-model", DRAFT]) == 0
     out, err = capsys.readouterr()
-    assert '"draft_len_schedule"' in out and '"num_assistant_tokens": 1' in out
+    assert "draft_len_schedule:" in out and '"num_assistant_tokens": 1' in out
     assert "x plain decoding" in err and "no acceptance windows stored" in err
     # one k for every batch size, by uniform vote without traffic: 0 (off at 64+) ties 1 and 4 and wins
     assert spectune(["export", "sglang", "--table", str(path)]) == 2
