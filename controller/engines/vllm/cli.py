@@ -7,8 +7,10 @@ Options this command does not know go to ``vllm serve`` as they are (``--max-num
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, cast
 
 from controller.engines.vllm.serve import (
     DEFAULT_K_MAX,
@@ -16,6 +18,7 @@ from controller.engines.vllm.serve import (
     DEFAULT_MODELS_DIR,
     DEFAULT_PORT,
     DEFAULT_VLLM_VENV,
+    VllmError,
     VllmServeConfig,
     parse_extra,
     serve,
@@ -43,6 +46,9 @@ def build_parser(redis_default: str) -> argparse.ArgumentParser:
     p.add_argument("--default-k", type=int, default=None, help="fail-static k before a table arrives (default k-max)")
     p.add_argument("--fixed-k", type=int, default=None, help="follow no table: draft this k every step")
     p.add_argument("--no-speculation", action="store_true", help="plain vLLM: no draft, no spectune scheduler")
+    p.add_argument("--speculative-config", type=Path, default=None, metavar="FILE",
+                   help="a start-up table from `spectune export vllm --out FILE`: vLLM's own scheduler follows it "
+                        "(no steering, no telemetry); checked by vLLM's rules first")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--kv-cache-gib", type=int, default=DEFAULT_KV_CACHE_GIB, help="VLLM_CPU_KVCACHE_SPACE")
@@ -55,10 +61,32 @@ def build_parser(redis_default: str) -> argparse.ArgumentParser:
 def main(argv: Sequence[str], redis_default: str, vllm_python: str | None = None) -> int:
     args, extra = build_parser(redis_default).parse_known_args(list(argv))
     py = args.vllm_python or (Path(vllm_python) if vllm_python else DEFAULT_VLLM_VENV / "bin" / "python")
+    spec = None if args.speculative_config is None else read_speculative_config(args.speculative_config)
+    if spec is not None and (args.fixed_k is not None or args.no_speculation):
+        raise VllmError("--speculative-config is the whole schedule: drop --fixed-k / --no-speculation")
     cfg = VllmServeConfig(
         profile=args.profile, models_dir=args.models_dir, k_max=args.k_max,
         redis_url=None if args.no_telemetry else args.redis_url, prefix=args.prefix, engine_id=args.engine_id,
         host=args.host, port=args.port, default_k=args.default_k, fixed_k=args.fixed_k,
         speculate=not args.no_speculation, kv_cache_gib=args.kv_cache_gib, vllm_python=py,
-        status_path=args.status_file, extra_args=parse_extra(extra))
+        status_path=args.status_file, extra_args=parse_extra(extra),
+        **({} if spec is None else {"steer": False, "redis_url": None, "speculative_config": spec,
+                                    "k_max": spec["num_speculative_tokens"]}))
     return serve(cfg)
+
+
+def read_speculative_config(path: Path) -> dict[str, Any]:
+    """An exported vLLM speculative config, checked by vLLM 0.32's rules (a draft model may be left to us)."""
+    from controller.offline.export import ExportError, validate_vllm
+
+    try:
+        spec = json.loads(path.read_text())
+        validate_vllm(spec, require_model=False)
+    except (OSError, ValueError) as e:
+        raise VllmError(f"cannot read --speculative-config {path}: {e}") from e
+    except ExportError as e:
+        raise VllmError(f"--speculative-config {path} is not one vLLM accepts: {e}") from e
+    if spec.get("method", "draft_model") != "draft_model":
+        raise VllmError(f"--speculative-config {path}: method {spec['method']!r}; spectune's profiles serve a "
+                        "draft_model")
+    return cast(dict[str, Any], spec)

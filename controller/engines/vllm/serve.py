@@ -65,6 +65,9 @@ class VllmServeConfig:
     speculate: bool = True  # False: plain vLLM, no draft, no spectune scheduler (the k = 0 baseline)
     steer: bool = True  # False: vLLM's own scheduler with a static k_max or native_schedule (baselines)
     native_schedule: tuple[tuple[int, int, int], ...] | None = None  # num_speculative_tokens_per_batch_size
+    # an exported start-up config (``spectune export vllm``), passed to vLLM as it is; vLLM's own scheduler
+    # follows its table (no steering); a draft_model config without a model gets the profile's draft
+    speculative_config: Mapping[str, Any] | None = None
     kv_cache_gib: int = DEFAULT_KV_CACHE_GIB
     vllm_python: Path = DEFAULT_VLLM_VENV / "bin" / "python"
     status_path: Path | None = None  # the scheduler appends JSON status lines here
@@ -79,6 +82,9 @@ class VllmServeConfig:
         if self.kv_cache_gib < 1:
             raise ValueError("--kv-cache-gib must be >= 1")
         self.spectune_config()  # validates k_max, default_k, fixed_k, engine_id, prefix
+        if self.speculative_config is not None and (self.steer or not self.speculate):
+            raise ValueError("an exported --speculative-config is vLLM's own schedule: it takes steer=False and "
+                             "speculation on")
 
     def spectune_config(self, versions: tuple[str, str] = ("target", "draft")) -> VllmSpectuneConfig:
         return VllmSpectuneConfig(
@@ -139,9 +145,14 @@ def vllm_command(cfg: VllmServeConfig, models: ServedModels, cuda: bool = False)
            "--host", cfg.host, "--port", str(cfg.port),
            "--dtype", "bfloat16" if cuda else "float32",  # CPU: fp32, as spectune's engine; CUDA: bf16
            "--seed", "0"]
+    if cfg.speculative_config is not None:
+        spec = dict(cfg.speculative_config)
+        if spec.get("method", "draft_model") == "draft_model":
+            spec.setdefault("method", "draft_model")
+            spec.setdefault("model", str(models.draft))
+        return [*cmd, "--speculative-config", json.dumps(spec), *cfg.extra_args]
     if cfg.speculate:
-        spec: dict[str, Any] = {"method": "draft_model", "model": str(models.draft),
-                                "num_speculative_tokens": cfg.k_max}
+        spec = {"method": "draft_model", "model": str(models.draft), "num_speculative_tokens": cfg.k_max}
         if cfg.native_schedule is not None:
             spec["num_speculative_tokens_per_batch_size"] = [list(e) for e in cfg.native_schedule]
         cmd += ["--speculative-config", json.dumps(spec)]
@@ -170,8 +181,10 @@ def serve(cfg: VllmServeConfig, say: Any = print) -> int:
     check_vllm_python(cfg.vllm_python)
     models = ensure_models(cfg.profile, cfg.models_dir, say)
     cmd = vllm_command(cfg, models, cuda=_cuda())
+    how = (", k from the exported table" if cfg.speculative_config is not None else
+           f", k from spectune (k <= {cfg.k_max})" if cfg.speculate else ", no speculation")
     say(f"vllm serve {models.target_version} with draft {models.draft_version} on http://{cfg.host}:{cfg.port}"
-        + (f", k from spectune (k <= {cfg.k_max})" if cfg.speculate else ", no speculation"))
+        + how)
     sys.stdout.flush()
     os.execve(cmd[0], cmd, vllm_environment(cfg, os.environ))
     return 0  # not reached

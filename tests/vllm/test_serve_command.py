@@ -1,0 +1,54 @@
+"""``spectune vllm serve`` turned into vLLM's command line, without starting vLLM: steered, or an exported table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controller.engines.vllm.cli import read_speculative_config
+from controller.engines.vllm.serve import SCHEDULER_CLS, ServedModels, VllmError, VllmServeConfig, vllm_command
+
+MODELS = ServedModels(Path("/m/target-v1"), Path("/m/draft-v1"), "target-v1", "draft-v1")
+
+
+def spec_of(cmd: list[str]) -> dict[str, object]:
+    return json.loads(cmd[cmd.index("--speculative-config") + 1])  # type: ignore[no-any-return]
+
+
+def test_steered_serving_uses_spectunes_scheduler_and_the_profiles_draft() -> None:
+    cmd = vllm_command(VllmServeConfig(k_max=5, redis_url="redis://127.0.0.1:6379/0"), MODELS)
+    assert SCHEDULER_CLS in cmd
+    assert spec_of(cmd) == {"method": "draft_model", "model": "/m/draft-v1", "num_speculative_tokens": 5}
+
+
+def test_an_exported_table_goes_to_vllm_as_it_is_without_steering(tmp_path: Path) -> None:
+    exported = {"num_speculative_tokens": 5, "num_speculative_tokens_per_batch_size": [[1, 2, 5], [3, 256, 0]]}
+    f = tmp_path / "spec.json"
+    f.write_text(json.dumps(exported))
+    spec = read_speculative_config(f)
+    cfg = VllmServeConfig(steer=False, speculative_config=spec, k_max=5, extra_args=("--max-num-seqs", "8"))
+    cmd = vllm_command(cfg, MODELS)
+    assert SCHEDULER_CLS not in cmd and "--additional-config" not in cmd
+    assert spec_of(cmd) == exported | {"method": "draft_model", "model": "/m/draft-v1"}  # the profile's draft
+    assert cmd[-2:] == ["--max-num-seqs", "8"]  # the operator's flags still come last
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("{", "cannot read"),
+    (json.dumps({"num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 8, 5]]}),
+     "not one vLLM accepts"),
+    (json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                 "num_speculative_tokens_per_batch_size": [[1, 8, 3]]}), "draft_model"),
+])
+def test_a_config_vllm_would_refuse_is_refused_before_starting(tmp_path: Path, text: str, words: str) -> None:
+    f = tmp_path / "spec.json"
+    f.write_text(text)
+    with pytest.raises(VllmError, match=words):
+        read_speculative_config(f)
+
+
+def test_an_exported_table_cannot_be_steered_at_the_same_time() -> None:
+    with pytest.raises(ValueError, match="steer=False"):
+        VllmServeConfig(speculative_config={"num_speculative_tokens": 3})
