@@ -26,6 +26,6 @@ def test_the_bigint_revision_goes_down_and_up_again(db_url: str) -> None:
     downgrade(db_url, "0001_initial")
     assert current_revision(db_url) == "0001_initial"
     upgrade(db_url)
-    assert current_revision(db_url) == "0004_drop_window_bucket_indexes"
+    assert current_revision(db_url) == "0005_scrape_baselines"
     with Store(db_url) as s:
         assert s.latest_policy_version() is not None and s.latest_policy_version().version == 7  # type: ignore[union-attr]

@@ -39,7 +39,7 @@ def _tables(url: str) -> set[str]:
 def test_migrations_upgrade_an_empty_database_and_downgrade_again(db_url: str) -> None:
     assert current_revision(db_url) is None
     upgrade(db_url)
-    assert current_revision(db_url) == head_revision() == "0004_drop_window_bucket_indexes"
+    assert current_revision(db_url) == head_revision() == "0005_scrape_baselines"
     assert _tables(db_url) == set(Base.metadata.tables) | {VERSION_TABLE}
     downgrade(db_url)
     assert current_revision(db_url) is None
