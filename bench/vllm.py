@@ -199,7 +199,7 @@ def start_sidecar(cfg: BenchConfig, db_url: str, prefix: str, work: Path) -> Sid
     proc = subprocess.Popen(
         [sys.executable, "-m", "controller.cli", "sidecar", "--redis-url", cfg.redis_url, "--db-url", db_url,
          "--prefix", prefix, "--auto-upgrade", "--http-port", "0", "--ready-file", str(ready), "--k-max",
-         str(K_MAX), "--seed", str(cfg.seed), "--no-lease"],
+         str(K_MAX), "--seed", str(cfg.seed), "--no-lease", "--one-k-per-batch"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     log.close()

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="spectune")
     p.add_argument("--policy", default="goodput", help="policy name (see policies.REGISTRY)")
     p.add_argument("--k-max", type=int, default=8)
+    p.add_argument("--one-k-per-batch", action="store_true",
+                   help="the engines run one k per step for the whole batch (vLLM): give every request type of a "
+                        "cell the same k (goodput policy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="0 picks a free port")
@@ -296,6 +299,8 @@ def _sidecar(args: argparse.Namespace) -> int:
 
     if args.policy not in REGISTRY:
         raise CLIError(f"unknown policy {args.policy!r}; choose one of: {', '.join(sorted(REGISTRY))}")
+    if args.one_k_per_batch and args.policy != "goodput":
+        raise CLIError(f"--one-k-per-batch is a setting of the goodput policy, not of {args.policy!r}")
     if args.alert_webhook is not None and not args.alerts:
         raise CLIError("--alert-webhook needs alerts on; drop --no-alerts")
     webhook = WebhookConfig(args.alert_webhook) if args.alert_webhook else None  # ValueError: a bad URL, said early
@@ -319,8 +324,9 @@ def _sidecar(args: argparse.Namespace) -> int:
     lease = None if lease_cfg is None else Lease(args.redis_url, RedisKeys(args.prefix).leader, lease_cfg)
     if lease is not None:
         publisher.fence(lease.key, lease.token)  # the engines' key is written only while this sidecar leads
-    sidecar = Sidecar(cfg, transport, store, REGISTRY[args.policy](k_max=args.k_max, seed=args.seed), publisher,
-                      metrics, alerts=alerts, lease=lease)
+    policy_kw: dict[str, Any] = {"one_k_per_batch": True} if args.one_k_per_batch else {}
+    sidecar = Sidecar(cfg, transport, store, REGISTRY[args.policy](k_max=args.k_max, seed=args.seed, **policy_kw),
+                      publisher, metrics, alerts=alerts, lease=lease)
     server = OperatorServer(sidecar, args.http_host, args.http_port).start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -47,6 +47,7 @@ from policies.base import Decision, DecisionKind, Policy, Window
 from telemetry.records import AcceptanceWindow, Bucket, CostWindow
 
 MIN_TYPE_WEIGHT = 0.02  # a type absent from the recent mix still gets a say (it is being asked about)
+MAX_REPROBE_DOUBLINGS = 4  # an off cell whose re-probes keep confirming "off" waits up to 16x probe_every
 TRIM_FROM_ROUNDS = 4  # cost windows of at least this many rounds drop their slowest round (see _observe)
 # Kinds that serve something other than the incumbent, to measure it.
 EXPLORING_KINDS = frozenset({DecisionKind.EXPLORE, DecisionKind.PROBE, DecisionKind.PROBE_OFF, DecisionKind.REPROBE})
@@ -65,6 +66,7 @@ class _Cell:
     expected: dict[int, float] = field(default_factory=dict)  # k -> posterior-mean goodput with one shared k
     hold: int = 0  # decisions left before the incumbent may change again
     off: int = 0  # consecutive decisions that served speculation off
+    reprobes: int = 0  # re-probes since the cell was last on by choice: each doubles the wait before the next
     probed: bool = False  # the cell's one cost probe has been served
     epoch: int = -1  # windows observed when ``served`` was chosen: one choice per cell per batch of windows
 
@@ -142,6 +144,10 @@ class GoodputPolicy(Policy):
         reopen_rows: after an acceptance drift (:meth:`~policies.base.Policy.reopen`) the bucket keeps at most this
             many rows of its old evidence: its Thompson draws widen and the new level outweighs the old in a few
             windows.
+        one_k_per_batch: the engine runs one k for the whole batch (vLLM: its scheduler sets one
+            ``num_spec_tokens`` per step), so every request type of a cell is given the same k, costed as a round
+            in which every row drafts it. Per-type ks would be folded by the engine into one k the policy never
+            chose or costed.
     """
 
     name = "goodput"
@@ -151,7 +157,8 @@ class GoodputPolicy(Policy):
                  prior_mean: float = 0.6, bucket_strength: float = 30.0, type_strength: float = 60.0,
                  version_strength: float = 10.0, acceptance_decay: float = 0.995, cost_prior_windows: float = 2.0,
                  refit_every: int = 16, slope_cells: int = 2, off_margin: float = 0.10,
-                 explore_radius: int = 2, packed: bool = True, reopen_rows: float = 10.0) -> None:
+                 explore_radius: int = 2, packed: bool = True, reopen_rows: float = 10.0,
+                 one_k_per_batch: bool = False) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
@@ -165,6 +172,7 @@ class GoodputPolicy(Policy):
         self.objective, self.latency_p99_s = objective, latency_p99_s
         self.switch_margin, self.hold_decisions, self.probe_every = switch_margin, hold_decisions, probe_every
         self.slope_cells, self.packed, self.reopen_rows = slope_cells, packed, reopen_rows
+        self.one_k_per_batch = one_k_per_batch
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every)
@@ -202,7 +210,7 @@ class GoodputPolicy(Policy):
         self._acc.forget((target_version, draft_version), request_type, context_bucket, self.reopen_rows)
         for (t, d, _bb, ctx), cell in self._cells.items():
             if (t, d, ctx) == (target_version, draft_version, context_bucket):
-                cell.hold, cell.probed, cell.epoch = 0, False, -1
+                cell.hold, cell.probed, cell.epoch, cell.reprobes = 0, False, -1, 0
 
     # ----------------------------------------------------------------------------------------- deciding
     def _evaluate(self, bucket: Bucket, types: list[str], weights: np.ndarray,
@@ -213,8 +221,9 @@ class GoodputPolicy(Policy):
         emitted = emitted_by_k(cond[:, : self.k_max])  # [T, K+1]
         b = self._cost.mean_batch(bucket.batch_bucket, bucket.context_bucket)
         secs = self._cost.predict(bucket.batch_bucket, bucket.context_bucket, b, rng).sum(axis=1)  # [K+1]
-        per_token = self._cost.per_token(bucket.batch_bucket, bucket.context_bucket) if self.packed else 0.0
-        combos, g = batch_goodput(emitted, weights, b, secs, per_token_s=per_token)
+        packed = self.packed and not self.one_k_per_batch
+        per_token = self._cost.per_token(bucket.batch_bucket, bucket.context_bucket) if packed else 0.0
+        combos, g = batch_goodput(emitted, weights, b, secs, shared_k=self.one_k_per_batch, per_token_s=per_token)
         _, g_shared = batch_goodput(emitted, weights, b, secs, shared_k=True)
         if self.objective == "latency" and self._cost.fitted:
             assert self.latency_p99_s is not None
@@ -374,12 +383,19 @@ class GoodputPolicy(Policy):
         """A cell served speculation off for ``probe_every`` decisions in a row serves its best k > 0 once.
 
         Draws never explore a cell that is off (see :meth:`_explore`), so this is how it learns whether
-        speculation pays again.
+        speculation pays again. Each re-probe that leaves the cell off doubles the wait before the next (up to
+        ``2 ** MAX_REPROBE_DOUBLINGS`` times ``probe_every``): where speculation clearly loses (high batch on a
+        compute-bound device) the probes, which cost throughput and tail latency, thin out. The wait starts
+        over when the cell turns on by choice or an acceptance drift reopens it.
         """
-        cell.off = cell.off + 1 if max(cell.served.values()) == 0 else 0
-        if cell.off < self.probe_every:
+        on = max(cell.served.values()) > 0
+        if on and cell.kind not in EXPLORING_KINDS:
+            cell.reprobes = 0
+        cell.off = 0 if on else cell.off + 1
+        if cell.off < self.probe_every * 2 ** min(cell.reprobes, MAX_REPROBE_DOUBLINGS):
             return None
         cell.off = 0
+        cell.reprobes += 1
         alt = est.best_on
         return _CellDecision(DecisionKind.REPROBE, est.shared(alt), f"re-probe k={alt} after speculation off")
 
@@ -388,7 +404,7 @@ class GoodputPolicy(Policy):
         cells = [{"target_version": t, "draft_version": d, "batch_bucket": bb, "context_bucket": ctx,
                   "incumbent": dict(c.incumbent), "served": dict(c.served), "kind": c.kind.value, "reason": c.reason,
                   "expected": {str(k): g for k, g in c.expected.items()}, "hold": c.hold, "off": c.off,
-                  "probed": c.probed, "epoch": c.epoch}
+                  "probed": c.probed, "epoch": c.epoch, "reprobes": c.reprobes}
                  for (t, d, bb, ctx), c in self._cells.items()]
         return {"acceptance": self._acc.get_state(), "cost": self._cost.get_state(), "cells": cells}
 
@@ -402,4 +418,5 @@ class GoodputPolicy(Policy):
                 incumbent={str(t): int(k) for t, k in r["incumbent"].items()},
                 served={str(t): int(k) for t, k in r["served"].items()}, kind=DecisionKind(r["kind"]),
                 reason=str(r["reason"]), expected={int(k): float(g) for k, g in r["expected"].items()},
-                hold=int(r["hold"]), off=int(r["off"]), probed=bool(r["probed"]), epoch=int(r["epoch"]))
+                hold=int(r["hold"]), off=int(r["off"]), probed=bool(r["probed"]), epoch=int(r["epoch"]),
+                reprobes=int(r.get("reprobes", 0)))

@@ -86,4 +86,10 @@ def test_db_current_and_check_name_the_revision_and_the_fix(capsys: pytest.Captu
     assert main(["db", "check", "--db-url", sqlite_url]) == 0
     assert main(["db", "current", "--db-url", sqlite_url]) == 0
     out = capsys.readouterr().out
-    assert out.count("0004_drop_window_bucket_indexes") >= 2
+    assert out.count("0005_scrape_baselines") >= 2
+
+
+def test_one_k_per_batch_is_refused_for_a_policy_without_it(capsys: pytest.CaptureFixture[str],
+                                                              sqlite_url: str) -> None:
+    assert main(["sidecar", "--policy", "static", "--one-k-per-batch", "--db-url", sqlite_url]) == 2
+    assert "--one-k-per-batch is a setting of the goodput policy" in capsys.readouterr().err

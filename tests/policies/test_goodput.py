@@ -220,3 +220,50 @@ def test_a_cell_that_grows_past_the_joint_grid_keeps_deciding() -> None:
         learn(more, 100)
         ks = {rt: p.decide(b(rt), explore=True).k for rt in more}
         assert all(0 <= k <= 8 for k in ks.values())
+
+
+def test_reprobes_of_a_cell_that_stays_off_thin_out() -> None:
+    """Each re-probe that leaves the cell off doubles the wait before the next: 4, 8, 16 decisions."""
+    p, b = _turned_off(hold_decisions=0, probe_every=4)
+    at = []
+    for i in range(4 + 1 + 8 + 1 + 16 + 1 + 2):
+        p.observe(_acc("code", 2, (500, 0, 0)))
+        if p.decide(b).kind is DecisionKind.REPROBE:
+            at.append(i)
+    assert np.diff(at).tolist() == [8, 16]  # the wait doubles after each re-probe that left the cell off
+    p.reopen("t1", "d1", "code", "<=512")  # an acceptance drift: the wait starts over
+    off_since = 0
+    for _ in range(10):
+        p.observe(_acc("code", 2, (500, 0, 0)))
+        d = p.decide(b)
+        if d.kind is DecisionKind.REPROBE:
+            break
+        off_since += 1
+    assert d.kind is DecisionKind.REPROBE and off_since <= 4
+
+
+def _two_types(one_k_per_batch: bool) -> tuple[GoodputPolicy, dict[str, int]]:
+    """Structured output accepts every draft, prose none: packed verification lets each draft its own k."""
+    p = GoodputPolicy(k_max=4, seed=0, one_k_per_batch=one_k_per_batch)
+    for bb in (1, 8):
+        for k in (0, 2, 4):
+            p.observe(_cost(bb, k, 0.01 * (1 + bb / 4) * (1 + 0.15 * k)))
+    for _ in range(20):
+        p.observe(AcceptanceWindow(target_version="t1", draft_version="d1", request_type="structured",
+                                   context_bucket="<=512", k=4, rows=100, drafted=400, accepted=400, emitted=500,
+                                   hist=(0, 0, 0, 0, 100)))
+        p.observe(AcceptanceWindow(target_version="t1", draft_version="d1", request_type="prose",
+                                   context_bucket="<=512", k=4, rows=100, drafted=400, accepted=0, emitted=100,
+                                   hist=(100, 0, 0, 0, 0)))
+    ks = {t: p.decide(Bucket("t1", "d1", t, 8, "<=512")).k for t in ("structured", "prose")}
+    return p, ks
+
+
+def test_one_k_per_batch_gives_every_type_of_a_cell_the_same_k() -> None:
+    _, packed = _two_types(one_k_per_batch=False)
+    assert packed["structured"] > packed["prose"]  # a packed engine drafts per row
+    p, one = _two_types(one_k_per_batch=True)
+    assert one["structured"] == one["prose"]  # vLLM runs one k per step: the policy chooses one
+    q = GoodputPolicy(k_max=4, seed=0, one_k_per_batch=True)
+    q.restore(p.snapshot())
+    assert q.decide(Bucket("t1", "d1", "prose", 8, "<=512")).k == one["prose"]
