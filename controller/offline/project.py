@@ -219,3 +219,24 @@ def project_batches(traffic: Traffic, full: KFn) -> dict[int, int]:
 def project_grid(traffic: Traffic, full: KFn, contexts: Sequence[str]) -> dict[tuple[int, str], int]:
     """(batch bucket, context bucket) -> k (vLLM's context-dependent schedule)."""
     return {(b, ctx): best_k(traffic, full, [b], {ctx}) for b in traffic.batches for ctx in contexts}
+
+
+def projection_loss(full: float, projected: float) -> tuple[float, str | None]:
+    """The share of the full table's predicted goodput the projection loses, and a note when it predicts more.
+
+    A projection only restricts the table's decisions (one k per batch bucket, or per engine), so against a table
+    that is the prediction's own optimum it cannot gain. When the exported schedule predicts more, the table is
+    not that optimum under this prediction (tuned with another cost source or on other windows, or with too few
+    trials): nothing is lost, and the note says so instead of printing a negative loss.
+
+    Returns:
+        ``(loss >= 0, note or None)``; ``loss`` is a fraction of ``full`` (0 when ``full`` is not positive).
+    """
+    if full <= 0:
+        return 0.0, None
+    loss = 1.0 - projected / full
+    if loss >= 0:
+        return loss, None
+    return 0.0, (f"the exported schedule predicts {-100 * loss:.1f}% more than the full table under this prediction: "
+                 "the table is not its optimum (tuned with another cost source or on other windows, or with too few "
+                 "trials), so nothing is lost to the projection")

@@ -46,9 +46,10 @@ from telemetry.store import StoredWindow
 from telemetry.wire import parse_bucket_key
 
 PRIOR_ALPHA = 0.6  # acceptance of a position nothing measured (the policies' AcceptanceModel prior)
+DEFAULT_WINDOW_S = 0.5  # wall seconds of one replayed window (tune's and export's default)
 P99 = 0.99
-NO_COST = ("no cost windows stored: the replay needs the batch sizes engines ran at (run a sidecar, or `spectune "
-           "ingest` a source that records them)")
+NO_COST = ("no cost windows stored: the replay needs the batch sizes engines ran at (run a sidecar, `spectune "
+           "ingest` a source that records them, or pass --calibration FILE, a recorded sweep)")
 
 Pair = tuple[str, str]  # (target version, draft version)
 
@@ -79,24 +80,40 @@ def split_by_time(acc: Sequence[StoredWindow[AcceptanceWindow]], cost: Sequence[
     """(tune, held-out, cut time): windows that ended before the cut are tuned on, the rest held out.
 
     The cut is the end time of the first engine window of the last ``holdout`` share of stored engine windows
-    (distinct (engine, window end) with cost windows).
+    (distinct (engine, window end) with cost windows; with none, with acceptance windows). Acceptance windows
+    follow the same cut when that leaves some on each side. When it does not, because acceptance and cost come
+    from different sources at different times (one engine's log lines ingested before another's iteration
+    stats), acceptance windows are split by their own engine windows the same way, so that each side still has
+    both kinds; a single engine window of acceptance stays on the tuning side.
 
     Raises:
         ReplayError: too few engine windows to leave some on each side.
     """
-    if not cost:
-        raise ReplayError(NO_COST)
-    ends = sorted({(w.window_end, w.engine_id) for w in cost})
     if holdout <= 0:
         return Slice(tuple(acc), tuple(cost)), Slice((), ()), math.inf
+    if not cost and not acc:
+        raise ReplayError(NO_COST)
+    cut = _cut(cost if cost else acc, holdout, "cost" if cost else "acceptance")
+    a_cut = cut
+    if acc and not (any(w.window_end < cut for w in acc) and any(w.window_end >= cut for w in acc)):
+        try:
+            a_cut = _cut(acc, holdout, "acceptance")
+        except ReplayError:
+            a_cut = math.inf  # one engine window of acceptance: it is needed to tune on
+    tune = Slice(tuple(w for w in acc if w.window_end < a_cut), tuple(w for w in cost if w.window_end < cut))
+    held = Slice(tuple(w for w in acc if w.window_end >= a_cut), tuple(w for w in cost if w.window_end >= cut))
+    return tune, held, cut
+
+
+def _cut(windows: Sequence[StoredWindow[Any]], holdout: float, what: str) -> float:
+    """The end time of the first engine window of the last ``holdout`` share of ``windows``' engine windows."""
+    ends = sorted({(w.window_end, w.engine_id) for w in windows})
     idx = int(len(ends) * (1.0 - holdout))
     if len(ends) < 2 or idx <= 0 or idx >= len(ends) or ends[idx][0] <= ends[0][0]:
-        raise ReplayError(f"{len(ends)} stored engine windows with cost windows cannot be split {1 - holdout:.0%} / "
-                          f"{holdout:.0%} by time; store more telemetry or pass --holdout 0 (no held-out check)")
-    cut = ends[idx][0]
-    tune = Slice(tuple(w for w in acc if w.window_end < cut), tuple(w for w in cost if w.window_end < cut))
-    held = Slice(tuple(w for w in acc if w.window_end >= cut), tuple(w for w in cost if w.window_end >= cut))
-    return tune, held, cut
+        raise ReplayError(f"{len(ends)} stored engine windows with {what} windows cannot be split "
+                          f"{1 - holdout:.0%} / {holdout:.0%} by time; store more telemetry or pass --holdout 0 (no "
+                          "held-out check)")
+    return float(ends[idx][0])
 
 
 def _pair(w: AcceptanceWindow | CostWindow) -> Pair:
@@ -151,6 +168,39 @@ def workload(part: Slice, types: Sequence[str], tokens: dict[Pair, str]) -> Work
         notes.append(f"{guessed} of {len(specs)} windows had no acceptance window of their own: the request mix of "
                      "their versions and context bucket over the slice")
     return Workload(tuple(specs), tuple(buckets), tuple(types), {v: k for k, v in tokens.items()}, tuple(notes))
+
+
+def workload_at_batches(part: Slice, types: Sequence[str], tokens: dict[Pair, str],
+                        batch_sizes: Sequence[int]) -> Workload:
+    """The windows to replay when no cost window says what batch sizes engines ran at: every engine window of
+    acceptance (per versions and context bucket, its request mix) once at each of ``batch_sizes``, all weighing
+    the same."""
+    t_index = {t: i for i, t in enumerate(types)}
+    mix_of: dict[tuple[float, str, Pair, str], np.ndarray] = defaultdict(lambda: np.zeros(len(types)))
+    for sw in part.acceptance:
+        a = sw.window
+        mix_of[(sw.window_end, sw.engine_id, _pair(a), a.context_bucket)][t_index[a.request_type]] += a.rows
+    specs, buckets = [], []
+    for (_, _, pair, ctx), mix in sorted(mix_of.items()):
+        w = mix / mix.sum() if mix.sum() > 0 else np.full(len(types), 1.0 / len(types))
+        for b in batch_sizes:
+            specs.append(WindowSpec(int(b), ctx, tuple(float(x) for x in w), tokens[pair]))
+            buckets.append(DEFAULT_BUCKETS.batch_bucket(int(b)))
+    note = (f"no cost windows: each of the {len(mix_of)} engine windows of acceptance replayed at every batch size "
+            f"the sweep measured ({', '.join(map(str, batch_sizes))}), all weighing the same; cost windows of the "
+            "engines (`spectune ingest` of a source with batch sizes and round times) weigh them by real traffic")
+    return Workload(tuple(specs), tuple(buckets), tuple(types), {v: k for k, v in tokens.items()}, (note,))
+
+
+def measured_k(windows: Sequence[AcceptanceWindow]) -> dict[tuple[str, ...], int]:
+    """The largest k drafted in acceptance windows (with rows): per ``("cell", request type, context bucket)``,
+    per ``("type", request type)`` and over ``("all",)``; positions past it are extrapolated by the replay."""
+    out: dict[tuple[str, ...], int] = {}
+    for a in windows:
+        if a.rows > 0:
+            for key in (("cell", a.request_type, a.context_bucket), ("type", a.request_type), ("all",)):
+                out[key] = max(out.get(key, 0), a.k)
+    return out
 
 
 # --------------------------------------------------------------------------------------------- acceptance
@@ -216,17 +266,23 @@ class CostSource:
 class SweepCost(CostSource):
     """Cost from a recorded engine sweep (a calibration file of the engine benchmark)."""
 
-    def __init__(self, path: Path, profile: str | None, K: int) -> None:
+    def __init__(self, path: Path, profile: str | None, K: int, clip: bool = False) -> None:
         try:
             self._cal = Calibration(path, profile=profile)
         except ValueError as e:  # CalibrationError and a bad smoothing name
             raise ReplayError(str(e)) from e
-        if self._cal.K < K:
+        if self._cal.K < K and not clip:
             raise ReplayError(f"{path} measured k up to {self._cal.K}; pass --k-max {self._cal.K} or less")
+        K = min(K, self._cal.K)  # clip: ks past the sweep are scored as its largest
         self.K = K
         self._class: dict[str, str] = {}
         self.description = f"recorded sweep {path} (profile {self._cal.profile}, device {self._cal.device})"
         self.notes = tuple(self._cal.gaps)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes the sweep measured."""
+        return list(self._cal.batches)
 
     def context_class(self, label: str) -> str:
         """The calibration's context class for a context bucket: the one of the same bucket, else the nearest."""
@@ -340,6 +396,7 @@ class Replay:
     load: Workload
     window_s: float
     notes: tuple[str, ...] = ()
+    measured_k: dict[tuple[str, ...], int] = field(default_factory=dict)  # see :func:`measured_k`
     _rounds: dict[tuple[WindowSpec, tuple[int, ...]], tuple[float, float]] = field(default_factory=dict)
 
     @property
@@ -427,24 +484,50 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
     return float(values[order][min(int(np.searchsorted(cum, q * cum[-1])), values.size - 1)])
 
 
+def store_replay(part: Slice, K: int, calibration: Path | None = None, profile: str | None = None,
+                 window_s: float = DEFAULT_WINDOW_S) -> Replay:
+    """The replay a table's predicted tokens/s over stored windows comes from, for ``spectune tune`` (its figures
+    over every stored window) and ``spectune export`` (the full table and its projection) alike, so that both give
+    the same figure for the same table, windows and cost source.
+
+    Args:
+        part: the stored windows (every one, for both commands).
+        K: the table's ``k_max`` (a recorded sweep that measured fewer ks scores the ks past it as its largest).
+        calibration: a recorded sweep for the cost (``--calibration``); None fits the cost model on ``part``.
+        profile: the sweep's profile.
+        window_s: wall seconds of one replayed window (tokens/s do not depend on it).
+    """
+    cost = SweepCost(calibration, profile, K, clip=True) if calibration is not None else None
+    return build_replay(part, cost.K if cost is not None else K, cost, window_s)
+
+
 def build_replay(part: Slice, K: int, cost: CostSource | None, window_s: float) -> Replay:
     """A replay of one slice. ``cost`` None fits the cost model on the slice's own cost windows.
 
+    Without cost windows a recorded sweep (:class:`SweepCost`) supplies the batch sizes too
+    (:func:`workload_at_batches`).
+
     Raises:
-        ReplayError: the slice has no cost windows (no batch sizes to replay) or no acceptance windows.
+        ReplayError: the slice has no cost windows and no sweep (no batch sizes to replay), or no acceptance
+            windows.
     """
     acc = [w.window for w in part.acceptance]
-    if not part.cost:
+    if not part.cost and not isinstance(cost, SweepCost):
         raise ReplayError(NO_COST)
     if not acc:
         raise ReplayError("no acceptance windows stored: nothing says how well the draft is accepted")
     types = sorted({a.request_type for a in acc})
     pairs = {_pair(w.window) for w in part.cost} | {_pair(a) for a in acc}
     tokens = version_tokens(pairs)
-    load = workload(part, types, tokens)
+    if part.cost:
+        load = workload(part, types, tokens)
+    else:
+        assert isinstance(cost, SweepCost)
+        load = workload_at_batches(part, types, tokens, cost.batch_sizes)
     contexts = sorted({s.context for s in load.specs} | {a.context_bucket for a in acc}, key=context_len_of)
     source = cost if cost is not None else ModelCost([w.window for w in part.cost], K)
     for cx in contexts:  # resolves (and notes) how the source covers each context bucket
         source.round_s(1.0, cx)
     cal = ReplayCalibration(acceptance_pmfs(acc, tokens, types, contexts, K), types, contexts, K, source)
-    return Replay(cal, load, window_s, notes=(source.description, *source.notes, *load.notes))
+    return Replay(cal, load, window_s, notes=(source.description, *source.notes, *load.notes),
+                  measured_k=measured_k(acc))

@@ -16,21 +16,47 @@ one ``--study`` and a killed run resumes: ``--trials`` is the study's total of f
 The first trial is the seed (the latest published table, ``--seed-table``, or the policy's defaults).
 
 The stored windows are split by time: the first ``1 - holdout`` tune, the last ``holdout`` check the result by a
-round-level replay (acceptance and, without ``--calibration``, cost learnt from the held-out windows alone).
+round-level replay (acceptance and, without ``--calibration``, cost learnt from the held-out windows alone). The
+check gives a verdict only on at least :data:`MIN_HELDOUT_WINDOWS` engine windows and :data:`MIN_HELDOUT_ROWS`
+rows of acceptance; on less it says so and gives none.
+
+Honesty rules:
+
+- **Missing telemetry is named.** Before anything runs, the stored windows are checked per (target, draft)
+  versions: acceptance windows for the ks engines drafted, cost windows (batch sizes and round seconds). What is
+  missing is said with the ingest source or the ``--calibration`` file that supplies it. Without cost windows a
+  recorded sweep (``--calibration``) supplies both the cost and the batch sizes replayed.
+- **No k past the measurements.** A table k is searched only up to the largest k drafted in the acceptance
+  windows of its (request type, context bucket), over every version (its request type's, then every window's,
+  where it has none): past that the acceptance curve would be extrapolated. ``--allow-extrapolation`` searches up
+  to ``--k-max``. The tuned table's other entries and default are capped at the largest k drafted anywhere.
+- **An interrupted study leaves no trial RUNNING.** SIGINT or SIGTERM during the study stop it after the trial in
+  flight (a second one fails that trial at once); optuna's bookkeeping is never interrupted. The run prints what
+  the study holds and exits with 128 + the signal's number (130 for Ctrl-C), without storing a table.
+- **The tuned table is stored** as the store's next policy version (``spectune export --db-url`` then finds it;
+  ``--no-store`` keeps it out; a sidecar on the same store would follow it as a peer's table).
+- **One prediction.** The figures over every stored window come from :func:`controller.offline.replay.store_replay`,
+  the one ``spectune export`` predicts with, so both give the same tokens/s for the same table and cost source.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import FrameType, TracebackType
 from typing import Any, Literal
 
 from controller.offline.replay import (
+    Pair,
     Replay,
     ReplayError,
     Score,
@@ -39,12 +65,13 @@ from controller.offline.replay import (
     TablePolicy,
     build_replay,
     split_by_time,
+    store_replay,
 )
 from engine.profiles import PROFILE_NAMES
-from telemetry.errors import SpectuneError
-from telemetry.policy_table import lookup, policy_table_from_json, table_to_json
-from telemetry.records import MAX_DRAFT_LEN, WILDCARD, Bucket, PolicyTable, RecordError
-from telemetry.store import DEFAULT_DB_URL
+from telemetry.errors import SpectuneError, StoreRejectedError
+from telemetry.policy_table import check_table_size, lookup, policy_table_from_json, table_to_json
+from telemetry.records import MAX_DRAFT_LEN, WILDCARD, AcceptanceWindow, Bucket, CostWindow, PolicyTable, RecordError
+from telemetry.store import DEFAULT_DB_URL, StoredWindow
 from telemetry.urls import redact_url
 
 TARGETS = ("table", "goodput")
@@ -56,6 +83,26 @@ HEARTBEAT_S = 10  # a trial whose process died is failed after GRACE_S without a
 GRACE_S = 30
 ROLE = "spectune_role"  # user attribute marking the seed trial
 META = "spectune"  # study user attribute: what the study tunes (checked when a run joins it)
+METRIC_NAMES = ("goodput_tok_s", "tpot_p99_s")  # the objectives as optuna-dashboard shows them
+# The held-out verdict needs this much held-out telemetry: fewer engine windows say little about traffic that
+# moves from window to window, and fewer rows of acceptance leave the acceptance length uncertain by more than the
+# few percent a table wins (one row's accepted tokens spread by about one token around a mean of 1-4).
+MIN_HELDOUT_WINDOWS = 10
+MIN_HELDOUT_ROWS = 1000
+STORE_ATTEMPTS = 3  # a sidecar on the same store may take the next version number meanwhile
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+EXIT_SIGNAL_BASE = 128  # a run stopped by signal N exits 128 + N, as a shell reports it (130 for Ctrl-C)
+ACCEPTANCE_SOURCES = (
+    "`spectune ingest vllm-prom` (the spec_decode per-position counters of /metrics), `vllm-log` (SpecDecoding "
+    "metrics lines), `vllm-request` (per-request metrics) or `sglang` (meta_info with spec_correct_drafts_histogram), "
+    "with --version V naming the same target version; TensorRT-LLM iteration stats give acceptance windows only at "
+    "k = 1 or where nothing or everything was accepted (their totals fix no histogram past k = 1)")
+COST_SOURCES = (
+    "`spectune ingest vllm-prom` (inter-token latency histogram and running requests of /metrics) or `trtllm` "
+    "(iteration stats: iterLatencyMS and the drafting rows), with --version V naming the same target version; or "
+    "pass --calibration FILE, a recorded engine sweep in the format of `spectune bench engine`'s engine.json (cells "
+    "of batch_size, context, context_len, request_type, round_s {k: {draft, verify, other} seconds} for every k up "
+    "to --k-max, and accept_hist; e.g. tests/policies/fixture_engine.json), whose batch sizes are then replayed")
 # GoodputPolicy hyper-parameters tuned, with their ranges: (low, high, kind).
 GOODPUT_SPACE: dict[str, tuple[float, float, str]] = {
     "switch_margin": (0.0, 0.2, "float"),
@@ -69,6 +116,14 @@ GOODPUT_SPACE: dict[str, tuple[float, float, str]] = {
 
 class TuneError(SpectuneError):
     """A bad argument or a study that cannot go on; the message says what to do."""
+
+
+class TuneInterrupted(TuneError):
+    """A signal stopped the run before any trial finished."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
 
 
 @dataclass(frozen=True)
@@ -95,6 +150,8 @@ class TuneConfig:
     min_share: float = MIN_SHARE
     timeout_s: float | None = None  # stop this run after this many seconds (the study keeps what finished)
     progress: bool = True
+    allow_extrapolation: bool = False  # search k past the largest k measured (acceptance extrapolated)
+    store: bool = True  # store the tuned table as the next policy version of db_url (export finds it there)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -138,11 +195,21 @@ class Candidate:
 
 
 class Space:
-    """The search space of a target and how a trial's parameters become a candidate."""
+    """The search space of a target and how a trial's parameters become a candidate.
+
+    A table's k per bucket is searched in ``[0, cap]``: ``cap`` is ``k_max`` capped at the largest k drafted in
+    the acceptance windows of the bucket's (request type, context bucket) over every version, else its request
+    type's, else every window's (:func:`controller.offline.replay.measured_k`), unless ``allow_extrapolation``.
+    """
 
     def __init__(self, cfg: TuneConfig, replay: Replay, seed_table: PolicyTable) -> None:
         self.cfg, self.replay, self.seed_table = cfg, replay, seed_table
         self.cells: list[tuple[str, int, str]] = []  # (request type, batch bucket, context bucket)
+        self.caps: dict[tuple[str, int, str], int] = {}  # the largest k searched per cell
+        self.share: dict[tuple[str, int, str], float] = {}
+        measured = replay.measured_k
+        # the largest k any entry of the tuned table may hold (its default and the seed's untuned entries too)
+        self.k_limit = cfg.k_max if cfg.allow_extrapolation else min(cfg.k_max, measured.get(("all",), cfg.k_max))
         if cfg.target == "table":
             share: dict[tuple[str, int, str], float] = {}
             n = replay.windows
@@ -151,6 +218,9 @@ class Space:
                     share[(rt, bb, spec.context)] = share.get((rt, bb, spec.context), 0.0) + w / n
             self.share = share
             self.cells = sorted(c for c, s in share.items() if s >= cfg.min_share)
+            for rt, bb, ctx in self.cells:
+                deepest = measured.get(("cell", rt, ctx), measured.get(("type", rt), self.k_limit))
+                self.caps[(rt, bb, ctx)] = cfg.k_max if cfg.allow_extrapolation else min(cfg.k_max, deepest)
             self.pairs = sorted(set(replay.load.pair_of.values()))
             self.main_pair = max(self.pairs, key=lambda p: sum(
                 1 for s in replay.load.specs if replay.load.pair_of[s.version] == p))
@@ -163,9 +233,14 @@ class Space:
     def names(self) -> list[str]:
         return [self.param(c) for c in self.cells] if self.cfg.target == "table" else list(GOODPUT_SPACE)
 
+    @property
+    def capped(self) -> bool:
+        """Whether the measurements capped the search below ``--k-max`` anywhere."""
+        return self.k_limit < self.cfg.k_max or any(c < self.cfg.k_max for c in self.caps.values())
+
     def suggest(self, trial: Any) -> dict[str, Any]:
         if self.cfg.target == "table":
-            return {self.param(c): trial.suggest_int(self.param(c), 0, self.cfg.k_max) for c in self.cells}
+            return {self.param(c): trial.suggest_int(self.param(c), 0, self.caps[c]) for c in self.cells}
         out: dict[str, Any] = {}
         for name, (lo, hi, kind) in GOODPUT_SPACE.items():
             out[name] = trial.suggest_int(name, int(lo), int(hi)) if kind == "int" else trial.suggest_float(
@@ -173,10 +248,11 @@ class Space:
         return out
 
     def seed_params(self) -> dict[str, Any]:
-        """The seed as trial parameters: the seed table's k per tuned bucket, or GoodputPolicy's defaults."""
+        """The seed as trial parameters: the seed table's k per tuned bucket (within the searched space), or
+        GoodputPolicy's defaults."""
         if self.cfg.target == "table":
             t, d = self.main_pair
-            return {self.param(c): min(lookup(self.seed_table, Bucket(t, d, c[0], c[1], c[2])), self.cfg.k_max)
+            return {self.param(c): min(lookup(self.seed_table, Bucket(t, d, c[0], c[1], c[2])), self.caps[c])
                     for c in self.cells}
         return dict(goodput_defaults())
 
@@ -184,15 +260,15 @@ class Space:
         if self.cfg.target == "goodput":
             return Candidate(params=dict(params))
         base = self.seed_table
-        entries = dict(base.entries)
+        entries = {key: min(k, self.k_limit) for key, k in base.entries.items()}
         for c in self.cells:
-            k = int(params[self.param(c)])
+            k = min(int(params[self.param(c)]), self.caps[c])
             # Exact keys for every version pair seen (they outrank the seed's broader keys), and version
             # wildcards for versions the tuning data did not see (a model update).
             for t, d in self.pairs:
                 entries[Bucket(t, d, c[0], c[1], c[2]).key()] = k
             entries["|".join((WILDCARD, WILDCARD, c[0], str(c[1]), c[2]))] = k
-        table = PolicyTable(version=base.version + 1, default_k=min(base.default_k, self.cfg.k_max),
+        table = PolicyTable(version=base.version + 1, default_k=min(base.default_k, self.k_limit),
                             k_max=max(base.k_max, self.cfg.k_max), entries=entries, created_at=0.0, reason=note[:500])
         try:
             return Candidate(table=policy_table_from_json(table_to_json(table)))
@@ -209,16 +285,90 @@ def goodput_defaults() -> dict[str, Any]:
     return {name: sig.parameters[name].default for name in GOODPUT_SPACE}
 
 
-def score(cfg: TuneConfig, replay: Replay, cand: Candidate, round_level: bool) -> Score:
-    """Analytic (tables) or round-level (``round_level``, and always for the goodput policy) replay."""
+def score(cfg: TuneConfig, replay: Replay, cand: Candidate, round_level: bool, k_limit: int | None = None) -> Score:
+    """Analytic (tables) or round-level (``round_level``, and always for the goodput policy) replay.
+
+    ``k_limit``: the goodput policy's largest k (default ``cfg.k_max``; :attr:`Space.k_limit` keeps it within the
+    measured ks)."""
     if cand.table is not None:
         if not round_level:
             return replay.score_table(cand.table)
         return replay.simulate(TablePolicy(cand.table, replay.load.pair_of, cfg.k_max), seed=cfg.seed, noise=cfg.noise)
     from policies.goodput import GoodputPolicy
 
-    return replay.simulate(GoodputPolicy(k_max=cfg.k_max, seed=cfg.seed, **cand.params), seed=cfg.seed,
-                           noise=cfg.noise)
+    return replay.simulate(GoodputPolicy(k_max=k_limit if k_limit is not None else cfg.k_max, seed=cfg.seed,
+                                         **cand.params), seed=cfg.seed, noise=cfg.noise)
+
+
+# ------------------------------------------------------------------------------------------------ coverage
+@dataclass
+class Coverage:
+    """What the stored windows measure, per (target, draft) versions."""
+
+    acceptance_k: dict[Pair, set[int]] = field(default_factory=dict)  # ks drafted with acceptance windows
+    acceptance_rows: dict[Pair, int] = field(default_factory=dict)
+    cost_k: dict[Pair, set[int]] = field(default_factory=dict)  # ks engines ran (largest k of a round)
+    cost_buckets: dict[Pair, set[int]] = field(default_factory=dict)  # batch buckets with cost windows
+
+    @classmethod
+    def of(cls, acc: Sequence[StoredWindow[AcceptanceWindow]], cost: Sequence[StoredWindow[CostWindow]]) -> Coverage:
+        cov = cls()
+        for sa in acc:
+            a = sa.window
+            p = (a.target_version, a.draft_version)
+            cov.acceptance_k.setdefault(p, set()).add(a.k)
+            cov.acceptance_rows[p] = cov.acceptance_rows.get(p, 0) + a.rows
+        for sc in cost:
+            c = sc.window
+            p = (c.target_version, c.draft_version)
+            cov.cost_k.setdefault(p, set()).add(c.max_k)
+            cov.cost_buckets.setdefault(p, set()).add(c.batch_bucket)
+        return cov
+
+    def check(self, calibration: Path | None) -> list[str]:
+        """Notes on what is missing but can be done without; raises :class:`TuneError` naming what is missing
+        (for which versions, ks or batch buckets) and how to supply it when nothing can be tuned."""
+        problems: list[str] = []
+        if not self.acceptance_k:
+            what = "; ".join(f"{_pair(p)}: k {_ks(self.cost_k[p] - {0})} at batch buckets {_ks(self.cost_buckets[p])}"
+                             for p in sorted(self.cost_k)) or "no version"
+            problems.append(f"no acceptance windows stored: nothing says how often drafts are accepted. Missing: "
+                            f"acceptance windows for the ks engines drafted ({what}). Supply them with "
+                            f"{ACCEPTANCE_SOURCES}")
+        if not self.cost_k and calibration is None:
+            what = "; ".join(f"{_pair(p)} (acceptance measured at k {_ks(ks)})"
+                             for p, ks in sorted(self.acceptance_k.items())) or "no version"
+            problems.append(f"no cost windows stored: nothing says at which batch sizes engines ran nor what a round "
+                            f"costs. Missing: cost windows for the batch buckets engines serve ({what}; no batch "
+                            f"size is stored). Supply them with {COST_SOURCES}")
+        if problems:
+            raise TuneError("cannot tune: " + "\n".join(problems))
+        notes = []
+        for p in sorted(set(self.cost_k) - set(self.acceptance_k)):
+            drafted = self.cost_k[p] - {0}
+            notes.append(f"versions {_pair(p)} have cost windows (k {_ks(self.cost_k[p])}, batch buckets "
+                         f"{_ks(self.cost_buckets[p])}) but no acceptance windows of their own: their acceptance is "
+                         f"borrowed from other versions' windows. Missing: acceptance windows of {_pair(p)} for k "
+                         f"{_ks(drafted)}; supply them with {ACCEPTANCE_SOURCES}")
+        for p in sorted(self.acceptance_k):
+            unseen = self.cost_k.get(p, set()) - {0} - self.acceptance_k[p]
+            if unseen:
+                notes.append(f"versions {_pair(p)} ran k {_ks(unseen)} (cost windows) with no acceptance window at "
+                             f"those ks: their acceptance comes from the positions measured at other ks")
+        if self.cost_k:
+            for p in sorted(set(self.acceptance_k) - set(self.cost_k)):
+                notes.append(f"versions {_pair(p)} have acceptance windows but no cost windows: their traffic is not "
+                             f"replayed (the tuned table covers them by its version wildcards). Missing: cost "
+                             f"windows of {_pair(p)}; supply them with {COST_SOURCES}")
+        return notes
+
+
+def _pair(p: Pair) -> str:
+    return f"{p[0]}|{p[1]}"
+
+
+def _ks(ks: set[int]) -> str:
+    return ", ".join(map(str, sorted(ks))) if ks else "none"
 
 
 # ------------------------------------------------------------------------------------------------ study
@@ -258,30 +408,89 @@ def open_study(cfg: TuneConfig, space: Space) -> Any:
     sampler = optuna.samplers.TPESampler(seed=cfg.seed, constraints_func=_constraints if old_api else None)
     study = optuna.create_study(study_name=cfg.study, storage=_storage(cfg.storage_url), sampler=sampler,
                                 directions=cfg.directions, load_if_exists=True)
-    meta = {"target": cfg.target, "k_max": cfg.k_max, "directions": cfg.directions, "params": space.names,
-            "p99_slo": cfg.p99_slo}
+    meta: dict[str, Any] = {"target": cfg.target, "k_max": cfg.k_max, "directions": cfg.directions,
+                            "params": space.names, "p99_slo": cfg.p99_slo,
+                            "k_caps": [space.caps[c] for c in space.cells] if cfg.target == "table" else
+                            space.k_limit}
     have = study.user_attrs.get(META)
     if have is None:
         study.set_user_attr(META, meta)
-    elif have != meta:
-        diff = {k: (have.get(k), v) for k, v in meta.items() if have.get(k) != v}
-        raise TuneError(f"study {cfg.study!r} was created for other settings ({diff}, as (study, this run)); "
-                        "use the same arguments to join it, or a new --study NAME")
+    else:
+        diff = {k: (have.get(k), v) for k, v in meta.items() if k in have and have.get(k) != v}
+        if diff:
+            raise TuneError(f"study {cfg.study!r} was created for other settings ({diff}, as (study, this run)); "
+                            "use the same arguments (and stored telemetry) to join it, or a new --study NAME")
+    with warnings.catch_warnings():  # set_metric_names is marked experimental
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(list(METRIC_NAMES[: len(cfg.directions)]))
     if not any(t.user_attrs.get(ROLE) == "seed" for t in study.get_trials(deepcopy=False)):
-        study.enqueue_trial(space.seed_params(), user_attrs={ROLE: "seed"})
+        study.enqueue_trial(space.seed_params(), user_attrs={ROLE: "seed"}, skip_if_exists=False)
     return study
 
 
-def _objective(cfg: TuneConfig, space: Space) -> Callable[[Any], Any]:
+class StopOnSignal:
+    """Stops a study on SIGINT or SIGTERM without leaving a trial RUNNING in its storage.
+
+    optuna turns an exception raised in the objective into a FAIL trial, but one raised anywhere else in its loop
+    (creating a trial, ``tell``, the heartbeat) leaves the trial RUNNING, or ends in its own ``UnboundLocalError``.
+    So the first signal only asks to stop: the objective and a callback call ``study.stop()``, and optuna records
+    the trial in flight and starts no other. A second signal raises ``KeyboardInterrupt``, but only while the
+    objective runs, where optuna records the trial as FAIL. Installed only in the main thread (Python delivers
+    signals there).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None  # the first signal received
+        self.count = 0
+        self.in_objective = False
+        self.in_study = False  # inside study.optimize: a second signal waits for the objective
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+        if self.signum is None:
+            self.signum = signum
+        if self.count == 1:  # os.write: a print here could re-enter a write the main thread is in
+            os.write(2, b"\nstopping after the trial in flight (again to stop it now)\n")
+        elif self.in_objective or not self.in_study:
+            raise KeyboardInterrupt
+
+    def stop_if_requested(self, study: Any, trial: Any = None) -> None:
+        if self.requested:
+            study.stop()
+
+
+def _objective(cfg: TuneConfig, space: Space, guard: StopOnSignal) -> Callable[[Any], Any]:
     def objective(trial: Any) -> Any:
-        s = score(cfg, space.replay, space.candidate(space.suggest(trial)), round_level=False)
-        trial.set_user_attr("tok_s", s.tok_s)
-        trial.set_user_attr("p99_s", s.p99_s)
-        if cfg.p99_slo is not None:
-            trial.set_user_attr("constraint", [s.p99_s - cfg.p99_slo])  # feasible when <= 0
-            if _has_set_constraint():
-                trial.set_constraint("p99_slo", s.p99_s - cfg.p99_slo)
-        return (s.tok_s, s.p99_s) if cfg.latency_objective else s.tok_s
+        guard.in_objective = True
+        try:
+            guard.stop_if_requested(trial.study)
+            s = score(cfg, space.replay, space.candidate(space.suggest(trial)), round_level=False,
+                      k_limit=space.k_limit)
+            trial.set_user_attr("tok_s", s.tok_s)
+            trial.set_user_attr("p99_s", s.p99_s)
+            if cfg.p99_slo is not None:
+                trial.set_user_attr("constraint", [s.p99_s - cfg.p99_slo])  # feasible when <= 0
+                if _has_set_constraint():
+                    trial.set_constraint("p99_slo", s.p99_s - cfg.p99_slo)
+            return (s.tok_s, s.p99_s) if cfg.latency_objective else s.tok_s
+        finally:
+            guard.in_objective = False
     return objective
 
 
@@ -301,17 +510,30 @@ def best_trial(cfg: TuneConfig, study: Any) -> Any:
     return max(feasible, key=lambda t: (t.values[0], t.user_attrs.get(ROLE) == "seed"))
 
 
-def run_optimisation(cfg: TuneConfig, study: Any, space: Space, say: Callable[[str], None]) -> int:
-    """Run trials until the study holds ``cfg.trials`` finished ones; returns how many this run added."""
+def pareto_front(cfg: TuneConfig, study: Any, chosen: int | None) -> list[dict[str, Any]]:
+    """The study's Pareto front (tokens/s up, p99 down), most tokens/s first."""
+    front = sorted(study.best_trials, key=lambda t: (-t.values[0], t.values[1]))
+    return [{"trial": t.number, METRIC_NAMES[0]: t.values[0], METRIC_NAMES[1]: t.values[1],
+             "feasible": _feasible(cfg, t), "seed": t.user_attrs.get(ROLE) == "seed", "chosen": t.number == chosen}
+            for t in front]
+
+
+def run_optimisation(cfg: TuneConfig, study: Any, space: Space, say: Callable[[str], None],
+                     guard: StopOnSignal | None = None) -> int:
+    """Run trials until the study holds ``cfg.trials`` finished ones (or ``guard`` is signalled); returns how many
+    this run added."""
     from optuna.study import MaxTrialsCallback
     from optuna.trial import TrialState
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    guard = guard if guard is not None else StopOnSignal()
     done_states = (TrialState.COMPLETE, TrialState.PRUNED)
     done = len(study.get_trials(deepcopy=False, states=done_states))
     todo = max(0, cfg.trials - done)
     if todo == 0:
         say(f"study {cfg.study!r} already holds {done} finished trials (--trials {cfg.trials}): nothing to run")
+        return 0
+    if guard.requested:
         return 0
     say(f"study {cfg.study!r}: {done} finished trials, running up to {todo} more")
     from rich.console import Console
@@ -323,13 +545,22 @@ def run_optimisation(cfg: TuneConfig, study: Any, space: Space, say: Callable[[s
 
         def tick(st: Any, trial: Any) -> None:
             nonlocal added
-            added += 1
+            added += trial.state in done_states
             best = best_trial(cfg, st)
             desc = f"best {best.values[0]:.2f} tok/s" if best is not None else "no feasible trial yet"
             bar.update(task, completed=len(st.get_trials(deepcopy=False, states=done_states)), description=desc)
 
-        study.optimize(_objective(cfg, space), n_trials=todo, timeout=cfg.timeout_s, gc_after_trial=False,
-                       callbacks=[MaxTrialsCallback(cfg.trials, states=done_states), tick])
+        guard.in_study = True
+        try:
+            study.optimize(_objective(cfg, space, guard), n_trials=todo, timeout=cfg.timeout_s,
+                           gc_after_trial=False,
+                           callbacks=[guard.stop_if_requested, MaxTrialsCallback(cfg.trials, states=done_states),
+                                      tick])
+        except KeyboardInterrupt:
+            if not guard.requested:  # not ours: a KeyboardInterrupt raised by something else
+                raise
+        finally:
+            guard.in_study = False
     return added
 
 
@@ -393,35 +624,140 @@ def load_telemetry(cfg: TuneConfig) -> tuple[Slice, PolicyTable, str]:
     return Slice(tuple(acc), tuple(cost)), static, f"static k={static.default_k} (no table published in the store)"
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out slice, how much of it there is and whether it is enough for a verdict."""
+
+    part: Slice
+    windows: int  # engine windows (distinct engine, window end) of the slice's workload
+    rows: int  # rows of acceptance windows
+    cut: float | None  # end time from which windows are held out (None: nothing held out)
+    why_not: str | None  # why there is no verdict (None: there is one)
+
+    @property
+    def enough(self) -> bool:
+        return self.why_not is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"windows": self.windows, "rows": self.rows, "min_windows": MIN_HELDOUT_WINDOWS,
+                "min_rows": MIN_HELDOUT_ROWS, "verdict_possible": self.enough, "why_not": self.why_not}
+
+
+def hold_out(cfg: TuneConfig, everything: Slice) -> tuple[Slice, HeldOut]:
+    """(the slice to tune on, the held-out slice): see :func:`controller.offline.replay.split_by_time`. A held-out
+    slice under :data:`MIN_HELDOUT_WINDOWS` engine windows or :data:`MIN_HELDOUT_ROWS` rows gives no verdict; one
+    that cannot be split off at all leaves every window to tune on."""
+    if cfg.holdout <= 0:
+        return everything, HeldOut(Slice((), ()), 0, 0, None, "no held-out check (--holdout 0)")
+    try:
+        tune_part, held, cut = split_by_time(everything.acceptance, everything.cost, cfg.holdout)
+    except ReplayError as e:
+        return everything, HeldOut(Slice((), ()), 0, 0, None, f"not enough held-out data: {e}")
+    rows = sum(w.window.rows for w in held.acceptance)
+    n = len({(w.window_end, w.engine_id) for w in (held.cost or held.acceptance)})
+    if not held.acceptance or not (held.cost or cfg.calibration is not None):
+        why: str | None = (f"not enough held-out data ({n} windows, {rows} rows; the held-out windows lack "
+                           f"{'acceptance' if not held.acceptance else 'cost'} windows)")
+    elif n < MIN_HELDOUT_WINDOWS or rows < MIN_HELDOUT_ROWS:
+        why = (f"not enough held-out data ({n} windows, need {MIN_HELDOUT_WINDOWS}; {rows} rows, need "
+               f"{MIN_HELDOUT_ROWS})")
+    else:
+        why = None
+    return tune_part, HeldOut(held, n, rows, cut, why)
+
+
+def store_tuned(db_url: str, table: PolicyTable) -> tuple[PolicyTable, bool]:
+    """Store ``table`` as the store's next policy version; returns (the table as stored, whether it is new). A
+    table equal to the latest stored one (default, k_max, entries) is not stored again."""
+    from telemetry.store import Store
+
+    try:
+        check_table_size(table)
+    except RecordError as e:
+        raise TuneError(f"the tuned table cannot be stored: {e}; pass --no-store and take the table from --out") from e
+    with Store(db_url) as store:
+        for _ in range(STORE_ATTEMPTS):
+            latest = store.latest_policy_version()
+            if latest is not None and (latest.default_k, latest.k_max, latest.entries) == (
+                    table.default_k, table.k_max, table.entries):
+                return latest, False
+            stored = replace(table, version=max(table.version, latest.version + 1 if latest else 1),
+                             created_at=time.time())
+            try:
+                store.save_policy_version(stored)
+                return stored, True
+            except StoreRejectedError:  # a sidecar took that version number meanwhile: take the next one
+                continue
+    raise TuneError(f"could not store the tuned table after {STORE_ATTEMPTS} attempts (other writers keep taking "
+                    "the next policy version); rerun, or pass --no-store and keep --out's tuned_table.json")
+
+
 def tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the study and the held-out check; returns the summary (also written to ``cfg.summary_json``)."""
+    """Run the study and the held-out check; returns the summary (also written to ``cfg.summary_json``).
+
+    A SIGINT or SIGTERM during the study ends it early (see :class:`StopOnSignal`): the summary then says
+    ``interrupted`` with the signal's number, and the table is not stored."""
     everything, seed_table, seed_from = load_telemetry(cfg)
-    tune_part, held_part, cut = split_by_time(everything.acceptance, everything.cost, cfg.holdout)
+    coverage_notes = Coverage.of(everything.acceptance, everything.cost).check(cfg.calibration)
+    tune_part, held_out = hold_out(cfg, everything)
     cost = SweepCost(cfg.calibration, cfg.profile, cfg.k_max) if cfg.calibration is not None else None
     replay = build_replay(tune_part, cfg.k_max, cost, cfg.window_s)
-    held = build_replay(held_part, cfg.k_max, cost, cfg.window_s) if cfg.holdout > 0 else None
+    held = build_replay(held_out.part, cfg.k_max, cost, cfg.window_s) if held_out.enough else None
     space = Space(cfg, replay, seed_table)
     if not space.names:
         raise TuneError(f"no bucket holds {cfg.min_share:.1%} of the replayed windows: nothing to tune")
-    say(f"replaying {replay.windows} windows to tune on" + (f", {held.windows} held out (ended at or after "
-                                                             f"t={cut:.3f})" if held else "") +
+    say(f"replaying {replay.windows} windows to tune on" + (
+        f", {held.windows} held out (ended at or after t={held_out.cut:.3f})" if held else "") +
         f"; {len(space.names)} parameters; seed: {seed_from}")
-    for note in replay.notes:
+    cap_note = _cap_note(cfg, space)
+    for note in (*coverage_notes, *replay.notes, *([cap_note] if cap_note else []),
+                 *([held_out.why_not] if held_out.why_not and cfg.holdout > 0 else [])):
         say(f"note: {note}")
-    study = open_study(cfg, space)
-    added = run_optimisation(cfg, study, space, say)
+    with StopOnSignal() as guard:
+        study = open_study(cfg, space)
+        added = run_optimisation(cfg, study, space, say, guard)
+        summary = _summarise(cfg, study, space, replay, held, held_out, everything, seed_table, seed_from, added,
+                             guard, coverage_notes, cap_note, say)
+    if cfg.summary_json is not None:
+        cfg.summary_json.parent.mkdir(parents=True, exist_ok=True)
+        cfg.summary_json.write_text(json.dumps(summary, indent=1, default=_json_default) + "\n")
+    return summary
+
+
+def _cap_note(cfg: TuneConfig, space: Space) -> str | None:
+    if cfg.allow_extrapolation:
+        deepest = space.replay.measured_k.get(("all",), 0)
+        return (f"--allow-extrapolation: k searched up to --k-max {cfg.k_max}; acceptance past k {deepest} (the "
+                "largest drafted) repeats the deepest position measured") if deepest < cfg.k_max else None
+    if not space.capped:
+        return None
+    caps = sorted({space.caps[c] for c in space.cells} | {space.k_limit})
+    return (f"k capped at the largest k drafted in the acceptance windows (per request type and context bucket; "
+            f"caps {', '.join(map(str, caps))} below --k-max {cfg.k_max}): past it acceptance is not measured. "
+            "Pass --allow-extrapolation to search up to --k-max anyway")
+
+
+def _summarise(cfg: TuneConfig, study: Any, space: Space, replay: Replay, held: Replay | None, held_out: HeldOut,
+               everything: Slice, seed_table: PolicyTable, seed_from: str, added: int, guard: StopOnSignal,
+               coverage_notes: list[str], cap_note: str | None, say: Callable[[str], None]) -> dict[str, Any]:
+    interrupted = guard.signum
     best = best_trial(cfg, study)
     if best is None:
+        if interrupted is not None:
+            raise TuneInterrupted(interrupted, f"interrupted before any trial of study {cfg.study!r} finished; rerun "
+                                               "the same command to resume it")
         raise TuneError(f"no finished trial of study {cfg.study!r} meets --p99-slo {cfg.p99_slo}; relax the SLO or "
                         "run more trials")
     seed_c = Candidate(table=seed_table) if cfg.target == "table" else Candidate(params=goodput_defaults())
-    tuned_c = space.candidate(best.params, note=f"spectune tune: study {cfg.study}, trial {best.number}")
+    reason = f"tuned by spectune tune study={cfg.study} trial={best.number}"
+    tuned_c = space.candidate(best.params, note=reason)
     rows = {}
     for name, cand in (("seed", seed_c), ("tuned", tuned_c)):
-        pred = score(cfg, replay, cand, round_level=False)
+        limit = space.k_limit
+        pred = score(cfg, replay, cand, round_level=False, k_limit=limit)
         r: dict[str, Any] = {"predicted_tok_s": pred.tok_s, "predicted_p99_s": pred.p99_s}
         if held is not None:
-            rep = score(cfg, held, cand, round_level=True)
+            rep = score(cfg, held, cand, round_level=True, k_limit=limit)
             r.update(replayed_tok_s=rep.tok_s, replayed_p99_s=rep.p99_s)
             if cand.table is not None:
                 an = held.score_table(cand.table)
@@ -429,24 +765,49 @@ def tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
         rows[name] = r
     summary: dict[str, Any] = {
         "study": cfg.study, "storage": redact_url(cfg.storage_url), "target": cfg.target,
-        "directions": cfg.directions, "p99_slo_s": cfg.p99_slo,
-        "trials": len(study.trials), "trials_added": added, "best_trial": best.number,
-        "best_is_seed": best.user_attrs.get(ROLE) == "seed",
+        "directions": cfg.directions, "metric_names": list(METRIC_NAMES[: len(cfg.directions)]),
+        "p99_slo_s": cfg.p99_slo, "trials": len(study.trials), "trials_added": added, "best_trial": best.number,
+        "best_is_seed": best.user_attrs.get(ROLE) == "seed", "interrupted": interrupted is not None,
         "seed_from": seed_from, "cost": replay.notes[0],
-        "windows": {"tune": replay.windows, "heldout": held.windows if held else 0, "cut_time": cut if held else None},
-        "notes": list(replay.notes[1:]),
+        "windows": {"tune": replay.windows, "heldout": held.windows if held else 0,
+                    "cut_time": held_out.cut if held else None},
+        "heldout": held_out.to_dict(),
+        "notes": [*coverage_notes, *replay.notes[1:], *([cap_note] if cap_note else [])],
+        "k_space": {"k_max": cfg.k_max, "allow_extrapolation": cfg.allow_extrapolation,
+                    "largest_k_measured": replay.measured_k.get(("all",)), "k_limit": space.k_limit,
+                    "capped": space.capped},
         "seed": rows["seed"], "tuned": rows["tuned"],
         "predicted_gain": rows["tuned"]["predicted_tok_s"] / rows["seed"]["predicted_tok_s"] - 1.0,
     }
     if held is not None:
         gain = rows["tuned"]["replayed_tok_s"] / rows["seed"]["replayed_tok_s"] - 1.0
         summary.update(heldout_gain=gain, beats_seed_on_heldout=gain >= 0.0)
+    if cfg.latency_objective:
+        summary["pareto_front"] = pareto_front(cfg, study, best.number)
     if cfg.target == "table":
         assert tuned_c.table is not None
-        summary["tuned_table"] = json.loads(table_to_json(tuned_c.table))
+        table = tuned_c.table
+        if cfg.store and guard.signum is None:  # a signal during the summary also keeps the table out
+            table, new = store_tuned(cfg.db_url, table)
+            summary["stored"] = {"db_url": redact_url(cfg.db_url), "version": table.version, "new": new}
+        else:
+            summary["stored"] = None
+            summary["not_stored_because"] = "--no-store" if not cfg.store else (
+                "interrupted: rerun the same command to finish the study and store its table")
+        tuned_c = Candidate(table=table)
+        summary["tuned_table"] = json.loads(table_to_json(table))
+        seed_k = space.seed_params()
         summary["buckets"] = [{"request_type": c[0], "batch_bucket": c[1], "context_bucket": c[2],
-                               "share": round(space.share[c], 4), "seed_k": space.seed_params()[space.param(c)],
+                               "share": round(space.share[c], 4), "k_cap": space.caps[c],
+                               "seed_k": lookup(seed_table, Bucket(*space.main_pair, c[0], c[1], c[2])),
+                               "seed_k_searched": seed_k[space.param(c)],
                                "tuned_k": int(best.params[space.param(c)])} for c in space.cells]
+        # The figure `spectune export --db-url` prints for this table, with the same cost source.
+        whole = store_replay(everything, table.k_max, cfg.calibration, cfg.profile, cfg.window_s)
+        summary["predicted_all_windows"] = {
+            "windows": whole.windows, "cost": whole.notes[0],
+            "seed_tok_s": whole.score_table(seed_table).tok_s, "tuned_tok_s": whole.score_table(table).tok_s,
+            "export": _export_hint(cfg)}
     else:
         summary["seed_params"] = goodput_defaults()
         summary["tuned_params"] = dict(best.params)
@@ -454,13 +815,16 @@ def tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
         cfg.out.mkdir(parents=True, exist_ok=True)
         written, skipped = write_plots(cfg, study, cfg.out)
         summary["plots"], summary["plots_skipped"] = written, skipped
-        if cfg.target == "table":
-            assert tuned_c.table is not None
+        if tuned_c.table is not None:
             (cfg.out / "tuned_table.json").write_text(table_to_json(tuned_c.table) + "\n")
-    if cfg.summary_json is not None:
-        cfg.summary_json.parent.mkdir(parents=True, exist_ok=True)
-        cfg.summary_json.write_text(json.dumps(summary, indent=1, default=_json_default) + "\n")
+    if guard.signum is not None:
+        summary.update(interrupted=True, signal=guard.signum)
     return summary
+
+
+def _export_hint(cfg: TuneConfig) -> str:
+    cal = f" --calibration {cfg.calibration} --profile {cfg.profile}" if cfg.calibration is not None else ""
+    return f"spectune export ENGINE --db-url {redact_url(cfg.db_url)}{cal}"
 
 
 def _json_default(x: Any) -> Any:
@@ -472,19 +836,22 @@ def _json_default(x: Any) -> Any:
 
 
 def report(summary: dict[str, Any]) -> None:
-    """The tuned result beside the seed, with the predicted and held-out gains."""
+    """The tuned result beside the seed, with the predicted and held-out gains (and the Pareto front)."""
     from rich.console import Console
     from rich.table import Table
 
     con = Console()
+    if summary.get("interrupted"):
+        con.print(f"[bold]interrupted[/] (signal {summary['signal']}): the study holds {summary['trials']} trials; "
+                  "what its finished trials give so far:")
     if summary["target"] == "table":
         tab = Table(title="k per bucket: seed vs tuned (buckets of the replayed traffic)")
-        for col in ("request type", "batch", "context", "share", "seed k", "tuned k"):
+        for col in ("request type", "batch", "context", "share", "k cap", "seed k", "tuned k"):
             tab.add_column(col, justify="right" if col not in ("request type", "context") else "left")
         for b in summary["buckets"]:
             mark = "" if b["seed_k"] == b["tuned_k"] else " *"
             tab.add_row(b["request_type"], str(b["batch_bucket"]), b["context_bucket"], f"{b['share']:.1%}",
-                        str(b["seed_k"]), f"{b['tuned_k']}{mark}")
+                        str(b["k_cap"]), str(b["seed_k"]), f"{b['tuned_k']}{mark}")
     else:
         tab = Table(title="GoodputPolicy hyper-parameters: defaults vs tuned")
         for col in ("parameter", "default", "tuned"):
@@ -493,16 +860,44 @@ def report(summary: dict[str, Any]) -> None:
             t = summary["tuned_params"][name]
             tab.add_row(name, _fmt(v), _fmt(t))
     con.print(tab)
+    if summary.get("pareto_front"):
+        front = Table(title=f"Pareto front ({len(summary['pareto_front'])} trials: more tok/s costs p99 latency)")
+        for col in ("trial", "tok/s", "p99 ms/token", "meets SLO", ""):
+            front.add_column(col, justify="right")
+        for p in summary["pareto_front"]:
+            mark = "chosen" if p["chosen"] else ("seed" if p["seed"] else "")
+            front.add_row(str(p["trial"]), f"{p[METRIC_NAMES[0]]:.2f}", f"{1e3 * p[METRIC_NAMES[1]]:.2f}",
+                          "yes" if p["feasible"] else "no", mark)
+        con.print(front)
     s, t = summary["seed"], summary["tuned"]
     con.print(f"predicted on the tuning windows: seed {s['predicted_tok_s']:.2f} tok/s (p99 "
               f"{1e3 * s['predicted_p99_s']:.2f} ms/token), tuned {t['predicted_tok_s']:.2f} tok/s (p99 "
               f"{1e3 * t['predicted_p99_s']:.2f} ms/token): {100 * summary['predicted_gain']:+.1f}%")
+    h = summary["heldout"]
     if "heldout_gain" in summary:
         verdict = "beats the seed" if summary["heldout_gain"] > 0 else (
             "ties the seed" if summary["heldout_gain"] == 0 else "DOES NOT beat the seed")
-        con.print(f"replayed on {summary['windows']['heldout']} held-out windows (not tuned on): seed "
-                  f"{s['replayed_tok_s']:.2f} tok/s, tuned {t['replayed_tok_s']:.2f} tok/s: "
-                  f"{100 * summary['heldout_gain']:+.1f}% — the tuned {summary['target']} {verdict}")
+        con.print(f"replayed on {summary['windows']['heldout']} held-out windows ({h['windows']} engine windows, "
+                  f"{h['rows']} rows; not tuned on): seed {s['replayed_tok_s']:.2f} tok/s, tuned "
+                  f"{t['replayed_tok_s']:.2f} tok/s: {100 * summary['heldout_gain']:+.1f}% — the tuned "
+                  f"{summary['target']} {verdict}")
+    elif h["why_not"]:
+        con.print(f"no held-out verdict: {h['why_not']}")
+    for note in summary.get("notes", []):
+        if note.startswith(("k capped", "--allow-extrapolation")):
+            con.print(f"note: {note}")
+    whole = summary.get("predicted_all_windows")
+    if whole:
+        con.print(f"predicted over all {whole['windows']} stored windows ({whole['cost']}): seed "
+                  f"{whole['seed_tok_s']:.2f} tok/s, tuned {whole['tuned_tok_s']:.2f} tok/s (what `{whole['export']}` "
+                  "predicts for the full table)")
+    stored = summary.get("stored")
+    if stored:
+        con.print(f"tuned table {'stored as' if stored['new'] else 'already stored as'} policy version "
+                  f"v{stored['version']} in {stored['db_url']} (export reads it from there; a sidecar on this store "
+                  "would follow it)")
+    elif summary["target"] == "table":
+        con.print(f"tuned table not stored: {summary['not_stored_because']}")
     for p in summary.get("plots", []):
         con.print(f"plot: {p}")
     for p in summary.get("plots_skipped", []):
@@ -545,24 +940,35 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None, help="folder for the plots and tuned_table.json")
     ap.add_argument("--summary-json", type=Path, default=None)
     ap.add_argument("--timeout", type=float, default=None, help="stop this run after this many seconds")
+    ap.add_argument("--allow-extrapolation", action="store_true",
+                    help="search k up to --k-max even past the largest k drafted in the acceptance windows (whose "
+                         "acceptance is then extrapolated); by default k is capped there")
+    ap.add_argument("--no-store", action="store_true",
+                    help="do not store the tuned table as the next policy version of --db-url (by default it is, "
+                         "so `spectune export --db-url` finds it)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
 
 def main(argv: Sequence[str]) -> int:
-    """``spectune tune ARGS``; expected failures raise :class:`TuneError` (printed as ``error:``, status 2)."""
+    """``spectune tune ARGS``; expected failures raise :class:`TuneError` (printed as ``error:``, status 2). A run
+    a signal stopped prints what the study holds and returns 128 + the signal's number (130 for Ctrl-C)."""
     args = build_parser().parse_args(list(argv))
     cfg = TuneConfig(db_url=args.db_url, storage=args.storage, study=args.study, target=args.target,
                      trials=args.trials, seed=args.seed, calibration=args.calibration, profile=args.profile,
                      k_max=args.k_max, holdout=args.holdout, latency_objective=args.latency_objective,
                      p99_slo=args.p99_slo, seed_table=args.seed_table, out=args.out, summary_json=args.summary_json,
-                     timeout_s=args.timeout, progress=not args.no_progress and sys.stderr.isatty())
+                     timeout_s=args.timeout, progress=not args.no_progress and sys.stderr.isatty(),
+                     allow_extrapolation=args.allow_extrapolation, store=not args.no_store)
     try:
         summary = tune(cfg, say=lambda line: print(line, file=sys.stderr))
     except ReplayError as e:
         raise TuneError(str(e)) from e
+    except TuneInterrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        return EXIT_SIGNAL_BASE + e.signum
     report(summary)
-    return 0
+    return EXIT_SIGNAL_BASE + summary["signal"] if summary["interrupted"] else 0
 
 
-__all__ = ["TuneConfig", "TuneError", "main", "tune"]
+__all__ = ["TuneConfig", "TuneError", "TuneInterrupted", "main", "tune"]
