@@ -283,7 +283,8 @@ def tune_schedule(db_url: str, work: Path, cfg: BenchConfig, models: ServedModel
     summary = work / "tune.json"
     cmd = [sys.executable, "-m", "controller.cli", "tune", "--db-url", db_url, "--target", "table", "--trials",
            str(cfg.trials), "--k-max", str(K_MAX), "--seed", str(cfg.seed), "--out", str(tune_out),
-           "--summary-json", str(summary), "--no-progress", "--study", f"bench-vllm-{uuid.uuid4().hex[:8]}"]
+           "--summary-json", str(summary), "--no-progress", "--study", f"bench-vllm-{uuid.uuid4().hex[:8]}",
+           "--no-store"]  # the live sidecar resumes from this database: it must not take the tuned table as its own
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
     if res.returncode != 0:
         raise RuntimeError(f"spectune tune failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
