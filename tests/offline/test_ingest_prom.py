@@ -60,12 +60,16 @@ def test_real_scrapes_parse_with_created_gauges_and_give_windows_at_one_draft_le
     for (_, _, a), (_, _, b), r in zip(scrapes[:-1], scrapes[1:], results[1:], strict=True):
         drafts = delta(a, b, "vllm:spec_decode_num_drafts_total")
         tokens = delta(a, b, "vllm:spec_decode_num_draft_tokens_total")
-        if r.parsed.acceptance:
+        if r.parsed.skipped == "mixed_draft_lengths":  # position 1 only, as a k = 1 window of every draft
+            (w,) = r.parsed.acceptance
+            assert tokens % drafts or tokens // drafts not in (1, 2, 3) or w.k == 1
+            assert (w.k, w.rows) == (1, drafts)
+            assert w.accepted == delta(a, b, 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",'
+                                             'model_name="target-v1",position="0"}')
+        elif r.parsed.acceptance:
             (w,) = r.parsed.acceptance
             assert w.k * drafts == tokens and w.rows == drafts
             assert w.accepted == delta(a, b, "vllm:spec_decode_num_accepted_tokens_total")
-        elif drafts:
-            assert (r.parsed.skipped == "mixed_draft_lengths" and tokens % drafts) or tokens // drafts not in (1, 2, 3)
 
 
 def test_cost_window_matches_the_histogram_and_step_arithmetic() -> None:

@@ -40,7 +40,7 @@ def test_every_source_into_the_store_once(db_url: str) -> None:
         acc = store.acceptance_windows()
         cost = store.cost_windows()
     s = stored["vllm-prom"]
-    assert (s.acceptance_windows, s.skipped["mixed_draft_lengths"], s.notes["counter_reset"]) == (2, 1, 1)
+    assert (s.acceptance_windows, s.partial["mixed_draft_lengths"], s.notes["counter_reset"]) == (3, 1, 1)
     assert stored["vllm-log"].malformed == {"bad_log_line": 1, "mean_contradicts_counts": 1}
     assert stored["vllm-request"].malformed == {"bad_json": 1, "inconsistent_counts": 1}
     assert stored["vllm-request"].acceptance_windows == 3
@@ -51,7 +51,7 @@ def test_every_source_into_the_store_once(db_url: str) -> None:
     assert targets == {MODEL, "Qwen/Qwen3-8B", "llama-70b"}  # each engine's model name is the target version
     assert {w.window.request_type for w in acc} == {"unknown"}
     assert {w.window.target_version for w in cost} == {"llama-70b", MODEL}  # vLLM: latency histogram
-    assert sum(1 for w in acc if w.window.target_version == MODEL) == 2 + 2 + 3
+    assert sum(1 for w in acc if w.window.target_version == MODEL) == 3 + 2 + 3  # prom (one partly), log, request
 
 
 def test_cli_ingest_keeps_rejects_with_line_numbers(tmp_path: Path, sqlite_url: str,
@@ -123,9 +123,9 @@ def test_follow_polls_recorded_scrapes(metrics_server: str, sqlite_url: str) -> 
         windows = store.acceptance_windows()
     assert n == 5
     s = ing.summary
-    assert (s.acceptance_windows, s.batches_new) == (2, 2)  # scrape 2 and the post-restart scrape 4
-    assert s.skipped["mixed_draft_lengths"] == 1 and s.malformed["scrape_failed"] == 1  # the 404 is kept
-    assert [w.window.hist for w in windows] == [(40, 40, 50, 70), (20, 10, 10, 10)]
+    assert (s.acceptance_windows, s.batches_new) == (3, 3)  # scrape 2, the mixed one's position 1, scrape 4
+    assert s.partial["mixed_draft_lengths"] == 1 and s.malformed["scrape_failed"] == 1  # the 404 is kept
+    assert [w.window.hist for w in windows] == [(40, 40, 50, 70), (40, 60), (20, 10, 10, 10)]
     assert ing.rejects[-1].reason == "scrape_failed" and "404" in ing.rejects[-1].detail
 
 

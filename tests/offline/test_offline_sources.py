@@ -38,7 +38,8 @@ def test_prom_intervals_counter_deltas_mixed_and_reset() -> None:
     # latency deltas: 200 / 400 / 480 / 500 tokens under 10 / 25 / 50 ms / +Inf; the median is the 250th
     assert second.observation["latency_p50_s"] == pytest.approx(0.01 + 0.015 * (250 - 200) / (400 - 200))
     assert mixed.skipped == "mixed_draft_lengths" and "mixed_draft_lengths" in mixed.notes
-    assert not mixed.acceptance and mixed.totals["drafts"] == 100
+    (first_pos,) = mixed.acceptance  # position 1 is drafted by every row, whatever its length: 60 of 100 kept
+    assert (first_pos.k, first_pos.hist) == (1, (40, 60)) and mixed.totals["drafts"] == 100
     assert reset.notes == ("counter_reset",)
     assert reset.acceptance[0].hist == (20, 10, 10, 10)  # the restarted engine's counters are the delta
 

@@ -17,8 +17,11 @@ Between two scrapes the deltas give ``per_pos[i] / num_drafts = P(accepted >= i 
 length ``1 + accepted / drafts``. The histogram an acceptance window needs follows exactly when every draft of
 the interval had one length k: ``draft_tokens == drafts * k`` and no row accepted past position k. With a
 batch-size schedule (``num_speculative_tokens_per_batch_size``) an interval can mix draft lengths; the counters
-then cannot be split by length, so the interval is skipped as ``mixed_draft_lengths`` (its totals are kept in the
-summary). Scrape more often, or ingest vLLM's per-request metrics, which carry a histogram per draft length.
+then cannot be split by length past position 1. Every draft has a position 1, and whether it was kept does not
+depend on how many tokens followed it, so such an interval stores position 1 as a k = 1 window
+``[drafts - per_pos[0], per_pos[0]]`` (as the log parser does), is kept in the rejects file as partly stored
+(``mixed_draft_lengths``), and gives no cost window (its steps had several largest ks). Scrape more often, or
+ingest vLLM's per-request metrics, which carry a histogram per draft length.
 
 **Cost.** ``vllm/v1/metrics/stats.py`` (``IterationStats.update_from_output``) appends one inter-token latency
 per request per engine step that is not the request's prefill: ``engine_core_timestamp - last_token_ts``, the
@@ -303,12 +306,14 @@ def interval(prev: Series | None, cur: Series, labels: SourceLabels) -> Parsed:
     k = _single_draft_length(n, tokens, acc, per_pos)
     if k is None:
         mal = 1 + acc / n
+        first = (acceptance_window(labels, UNKNOWN, [n - per_pos[0], per_pos[0]]),) if per_pos[0] <= n else ()
         return Parsed(
-            skipped="mixed_draft_lengths", notes=(*notes, "mixed_draft_lengths"), totals=totals, observation=obs,
+            acceptance=first, skipped="mixed_draft_lengths", notes=(*notes, "mixed_draft_lengths"), totals=totals,
+            observation=obs,
             detail=(f"drafts of several lengths in one interval (a batch-size schedule?): drafts={n}, "
-                    f"draft_tokens={tokens}, accepted={acc}, mean acceptance length {mal:.3f}; per-position "
-                    "counters cannot be split by length, nor rounds by their largest k. Scrape more often or "
-                    "ingest per-request metrics."),
+                    f"draft_tokens={tokens}, accepted={acc}, mean acceptance length {mal:.3f}; stored: position 1 "
+                    "as a k=1 window; later positions cannot be split by length, nor steps by their largest k. "
+                    "Scrape more often or ingest per-request metrics."),
         )
     hist = hist_from_tail(n, per_pos[:k])
     cost = _cost_window(base, cur, labels, k, n, n * k, acc)
