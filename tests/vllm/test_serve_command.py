@@ -52,3 +52,19 @@ def test_a_config_vllm_would_refuse_is_refused_before_starting(tmp_path: Path, t
 def test_an_exported_table_cannot_be_steered_at_the_same_time() -> None:
     with pytest.raises(ValueError, match="steer=False"):
         VllmServeConfig(speculative_config={"num_speculative_tokens": 3})
+
+
+def test_the_command_line_with_an_exported_table(tmp_path: Path) -> None:
+    from controller.engines.vllm.cli import config_from_argv
+
+    f = tmp_path / "spec.json"
+    f.write_text(json.dumps({"method": "draft_model", "model": "/m/draft-v1", "num_speculative_tokens": 3,
+                             "num_speculative_tokens_per_batch_size": [[1, 256, 3]]}))
+    cfg = config_from_argv(["serve", "--profile", "small", "--speculative-config", str(f), "--port", "8011",
+                            "--enforce-eager"], "redis://127.0.0.1:6379/0")
+    assert (cfg.steer, cfg.redis_url, cfg.k_max, cfg.extra_args) == (False, None, 3, ("--enforce-eager",))
+    assert spec_of(vllm_command(cfg, MODELS))["num_speculative_tokens_per_batch_size"] == [[1, 256, 3]]
+    steered = config_from_argv(["serve", "--k-max", "5"], "redis://127.0.0.1:6379/0")
+    assert (steered.steer, steered.redis_url, steered.k_max) == (True, "redis://127.0.0.1:6379/0", 5)
+    with pytest.raises(VllmError, match="whole schedule"):
+        config_from_argv(["serve", "--speculative-config", str(f), "--fixed-k", "2"], "redis://x")

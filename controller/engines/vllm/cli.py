@@ -59,20 +59,28 @@ def build_parser(redis_default: str) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str], redis_default: str, vllm_python: str | None = None) -> int:
+    return serve(config_from_argv(argv, redis_default, vllm_python))
+
+
+def config_from_argv(argv: Sequence[str], redis_default: str, vllm_python: str | None = None) -> VllmServeConfig:
+    """What ``spectune vllm serve ARGV`` runs (flags it does not know go to vLLM)."""
     args, extra = build_parser(redis_default).parse_known_args(list(argv))
     py = args.vllm_python or (Path(vllm_python) if vllm_python else DEFAULT_VLLM_VENV / "bin" / "python")
     spec = None if args.speculative_config is None else read_speculative_config(args.speculative_config)
-    if spec is not None and (args.fixed_k is not None or args.no_speculation):
-        raise VllmError("--speculative-config is the whole schedule: drop --fixed-k / --no-speculation")
-    cfg = VllmServeConfig(
-        profile=args.profile, models_dir=args.models_dir, k_max=args.k_max,
-        redis_url=None if args.no_telemetry else args.redis_url, prefix=args.prefix, engine_id=args.engine_id,
-        host=args.host, port=args.port, default_k=args.default_k, fixed_k=args.fixed_k,
-        speculate=not args.no_speculation, kv_cache_gib=args.kv_cache_gib, vllm_python=py,
-        status_path=args.status_file, extra_args=parse_extra(extra),
-        **({} if spec is None else {"steer": False, "redis_url": None, "speculative_config": spec,
-                                    "k_max": spec["num_speculative_tokens"]}))
-    return serve(cfg)
+    common: dict[str, Any] = dict(
+        profile=args.profile, models_dir=args.models_dir, prefix=args.prefix, engine_id=args.engine_id,
+        host=args.host, port=args.port, kv_cache_gib=args.kv_cache_gib, vllm_python=py,
+        status_path=args.status_file, extra_args=parse_extra(extra))
+    if spec is None:
+        return VllmServeConfig(
+            k_max=args.k_max, redis_url=None if args.no_telemetry else args.redis_url, default_k=args.default_k,
+            fixed_k=args.fixed_k, speculate=not args.no_speculation, **common)
+    if args.fixed_k is not None or args.default_k is not None or args.no_speculation:
+        raise VllmError("--speculative-config is the whole schedule: drop --fixed-k / --default-k / "
+                        "--no-speculation")
+    # vLLM's own scheduler follows the file: no spectune scheduler, hence no telemetry and no table
+    return VllmServeConfig(k_max=int(spec["num_speculative_tokens"]), redis_url=None, steer=False,
+                           speculative_config=spec, **common)
 
 
 def read_speculative_config(path: Path) -> dict[str, Any]:
