@@ -443,7 +443,18 @@ def _redis_table(url: str, prefix: str) -> Any:
         raise CLIError(
             f"cannot read {key} from Redis at {redact_url(url)} ({e}); is Redis running?"
         ) from e
-    return json.loads(raw) if raw else None
+    if not raw:
+        return None
+    from telemetry.policy_table import policy_table_from_json, table_to_json
+    from telemetry.records import RecordError
+
+    try:  # what is in Redis is input like any other: the same rules as the engines' clients apply to it
+        table = policy_table_from_json(raw)
+    except (RecordError, ValueError, UnicodeDecodeError) as e:
+        raise CLIError(f"{key} in Redis at {redact_url(url)} is not a policy table spectune reads ({e}); the "
+                       "engines keep their last good table; the sidecar replaces this value when it next "
+                       "publishes") from e
+    return json.loads(table_to_json(table))
 
 
 def _print_table(table: dict[str, Any]) -> None:

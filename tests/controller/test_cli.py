@@ -93,3 +93,22 @@ def test_one_k_per_batch_is_refused_for_a_policy_without_it(capsys: pytest.Captu
                                                               sqlite_url: str) -> None:
     assert main(["sidecar", "--policy", "static", "--one-k-per-batch", "--db-url", sqlite_url]) == 2
     assert "--one-k-per-batch is a setting of the goodput policy" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("raw", [b'{"version": 3, "entries": {}}', b"not json", b"\xff\xfe"])
+def test_policy_show_on_a_bad_redis_value_is_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str],
+                                                                      redis_url: str, redis_prefix: str,
+                                                                      raw: bytes) -> None:
+    import redis
+
+    from telemetry.transport import RedisKeys
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        r.set(RedisKeys(redis_prefix).policy, raw)
+        assert main(["policy", "show", "--redis-url", redis_url, "--prefix", redis_prefix]) == 2
+        err = capsys.readouterr().err
+        assert "is not a policy table spectune reads" in err and "Traceback" not in err
+    finally:
+        r.delete(RedisKeys(redis_prefix).policy)
+        r.close()
