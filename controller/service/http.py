@@ -1,7 +1,7 @@
 """The operator's HTTP endpoint of a sidecar (stdlib ``http.server`` on a bounded pool; JSON in and out).
 
 =========================  ===========================================================================
-``GET /health``            liveness and counters (windows ingested, rejections, last error), leader and lease
+``GET /health``            liveness and counters; the error in force and the previous one (time), leader, lease
 ``GET /policy``            the table in force (with its version and reason)
 ``GET /policy/history``    the newest stored versions (``?limit=N``, default 20), newest first
 ``GET /pins``              pins in force

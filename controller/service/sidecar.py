@@ -223,6 +223,7 @@ class Sidecar:
         self.rejected: dict[str, int] = {}
         self.errors = 0
         self.last_error: str | None = None
+        self.last_error_at: float | None = None  # unix seconds of last_error
         self.started_at = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -746,6 +747,7 @@ class Sidecar:
     def _error(self, e: BaseException) -> None:
         self.errors += 1
         self.last_error = f"{type(e).__name__}: {e}" if not isinstance(e, SpectuneError) else str(e)
+        self.last_error_at = time.time()
 
     def _lease_health(self) -> dict[str, Any]:
         """The lease and the store feed, for :meth:`health`: who may decide, how often it changed."""
@@ -761,6 +763,9 @@ class Sidecar:
         cs = self._consumer.stats()
         # "degraded" while a dependency's latest attempt failed; the failure counts below stay cumulative.
         healthy = cs.transport_ok and cs.store_ok and self._publisher_ok
+        # last_error is the failure in force (None once every dependency answers again); previous_error keeps
+        # the latest one with its time, so that an operator sees what happened after the recovery too.
+        latest = cs.last_error if not cs.transport_ok or not cs.store_ok else self.last_error or cs.last_error
         return {
             "status": "ok" if healthy else "degraded",
             "policy": self.policy.name,
@@ -776,7 +781,9 @@ class Sidecar:
             "transport_failures": cs.transport_failures,
             "store_failures": cs.store_failures,
             "errors": self.errors,
-            "last_error": self.last_error or cs.last_error,
+            "last_error": None if healthy else latest,
+            "previous_error": None if latest is None else {
+                "error": latest, "at": self.last_error_at if latest == self.last_error else None},
             "unpublished_version": self._unpublished.version if self._unpublished else None,
             "publisher_ok": self._publisher_ok,
             "policy_version_ahead": dict(self.version_ahead) if self.version_ahead else None,

@@ -73,12 +73,16 @@ def test_a_redis_restart_gets_the_table_back_and_health_recovers(own_redis: OwnR
         assert sc.health()["status"] == "ok"
         own_redis.kill()
         _until(lambda: sc.health()["status"] == "degraded", sc, 5)
+        down = sc.health()
+        assert down["last_error"] and down["previous_error"]["error"] == down["last_error"]
         own_redis.start()  # back, empty: no table, no stream, no group
         r = redis.Redis.from_url(own_redis.url)
         _until(lambda: r.get("p:policy") is not None, sc, 3)  # the table comes back without any change to it
         assert PolicyTable(**__import__("json").loads(r.get("p:policy"))).version == sc.version  # type: ignore[arg-type]
         _until(lambda: sc.health()["status"] == "ok", sc, 3)
-        assert sc.health()["transport_failures"] > 0  # the counters remember the outage
+        up = sc.health()
+        assert up["transport_failures"] > 0  # the counters remember the outage
+        assert up["last_error"] is None and up["previous_error"] is not None  # recovered; what happened is kept
 
 
 @pytest.mark.parametrize("db", ["sqlite_url", "pg_url"])
