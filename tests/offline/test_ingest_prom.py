@@ -11,12 +11,10 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
+from scrape_server import Scrapes
 
 from controller.cli import main as spectune
 from controller.offline.ingest import IngestConfig, Ingestor, follow, ingest_paths
@@ -200,46 +198,11 @@ def test_a_restart_between_runs_starts_a_new_baseline(sqlite_url: str, tmp_path:
 
 
 # ------------------------------------------------------------------------------------------------ follow
-class _Scrapes(BaseHTTPRequestHandler):
-    """Serves the given bodies one per request (None: a 500), then 404s."""
-
-    bodies: ClassVar[list[str | None]] = []
-    served: ClassVar[int] = 0
-
-    def do_GET(self) -> None:
-        cls = type(self)
-        body = cls.bodies[cls.served] if cls.served < len(cls.bodies) else None
-        cls.served += 1
-        if body is None:
-            self.send_error(500 if cls.served <= len(cls.bodies) else 404)
-            return
-        data = body.encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def serve() -> Iterator[ThreadingHTTPServer]:
-    _Scrapes.served = 0
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Scrapes)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    t.join()
-
-
-def test_follow_rejects_bad_scrapes_counts_them_and_keeps_going(serve: ThreadingHTTPServer, sqlite_url: str,
+def test_follow_rejects_bad_scrapes_counts_them_and_keeps_going(scrape_url: str, sqlite_url: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     scrapes = [text for _, _, text in real_scrapes()]
     poison = "# a body the parser chokes on in a way nobody foresaw\n"
-    _Scrapes.bodies = [scrapes[5], "garbage{ 12\n", None, poison, scrapes[6]]
+    Scrapes.bodies = [scrapes[5], "garbage{ 12\n", None, poison, scrapes[6]]
     real_parse = vllm_prom.parse_scrape
 
     def parse(text: str, timestamp: float | None = None) -> vllm_prom.Scrape:
@@ -248,7 +211,7 @@ def test_follow_rejects_bad_scrapes_counts_them_and_keeps_going(serve: Threading
         return real_parse(text, timestamp)
 
     monkeypatch.setattr(vllm_prom, "parse_scrape", parse)
-    url = f"http://127.0.0.1:{serve.server_address[1]}/metrics"
+    url = scrape_url
     with Store(sqlite_url, auto_upgrade=True) as store:
         ing = Ingestor(IngestConfig(source="vllm-prom"), store)
         n = follow(ing, url, interval_s=0.01, stop=threading.Event(), max_scrapes=6, timeout_s=2)
@@ -261,11 +224,11 @@ def test_follow_rejects_bad_scrapes_counts_them_and_keeps_going(serve: Threading
     assert s.untimed_windows == 0  # the fetch time is each scrape's time
 
 
-def test_follow_leaves_its_last_scrape_for_the_next_run(serve: ThreadingHTTPServer, sqlite_url: str,
+def test_follow_leaves_its_last_scrape_for_the_next_run(scrape_url: str, sqlite_url: str,
                                                          tmp_path: Path) -> None:
     scrapes = [text for _, _, text in real_scrapes()]
-    _Scrapes.bodies = [scrapes[4], scrapes[5]]
-    url = f"http://127.0.0.1:{serve.server_address[1]}/metrics"
+    Scrapes.bodies = [scrapes[4], scrapes[5]]
+    url = scrape_url
     with Store(sqlite_url, auto_upgrade=True) as store:
         ing = Ingestor(IngestConfig(source="vllm-prom"), store)
         follow(ing, url, interval_s=0.01, stop=threading.Event(), max_scrapes=2, timeout_s=2)

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
+from scrape_server import Scrapes
 
 from controller.cli import main as spectune
 from controller.offline.ingest import IngestConfig, Ingestor, follow, ingest_paths
@@ -80,40 +78,11 @@ def test_cli_ingest_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert "vllm-prom" in capsys.readouterr().err
 
 
-class _Scrapes(BaseHTTPRequestHandler):
-    """Serves the recorded scrapes one per request, then 404 (a scrape failure the follower must survive)."""
-
-    bodies: ClassVar[list[str]] = []
-    served: ClassVar[int] = 0
-
-    def do_GET(self) -> None:
-        cls = type(self)
-        if cls.served < len(cls.bodies):
-            body = cls.bodies[cls.served].encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-        else:
-            self.send_error(404)
-        cls.served += 1
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture
-def metrics_server() -> Iterator[str]:
-    _Scrapes.bodies = [text for _, _, text in vllm_prom.split_scrapes((FIXTURES / "vllm_metrics.prom").read_text())]
-    _Scrapes.served = 0
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Scrapes)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}/metrics"
-    srv.shutdown()
-    srv.server_close()
-    t.join()
+def metrics_server(scrape_url: str) -> str:
+    """The recorded scrapes of ``vllm_metrics.prom``, one per request, then 404."""
+    Scrapes.bodies = [text for _, _, text in vllm_prom.split_scrapes((FIXTURES / "vllm_metrics.prom").read_text())]
+    return scrape_url
 
 
 def test_follow_polls_recorded_scrapes(metrics_server: str, sqlite_url: str) -> None:
