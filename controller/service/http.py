@@ -366,7 +366,6 @@ class _Conn:
 
     def __init__(self, sock: socket.socket, addr: Any, server: _Server) -> None:
         self.sock = sock
-        self.timeout_s = server.config.request_timeout_s
         self.handler = _Handler(sock, addr, server)
         self.deadline = time.monotonic() + server.config.idle_timeout_s
         self.inbuf = bytearray()  # read by the selector thread; taken a request at a time by a worker
