@@ -109,6 +109,18 @@ class AcceptanceModel:
         f = keep_rows / float(c.n[0])
         c.s, c.n = c.s * f, c.n * f
 
+    def drop(self, rtype: str | None = None, vd: Versions | None = None) -> None:
+        """Forget a request type under every version pair, or a version pair whole."""
+        if vd is not None:
+            self._by_versions.pop(vd, None)
+        if rtype is not None:
+            for vc in self._by_versions.values():
+                vc.by_type.pop(rtype, None)
+                for key in [key for key in vc.by_bucket if key[0] == rtype]:
+                    del vc.by_bucket[key]
+                for mix in vc.rows.values():
+                    mix.pop(rtype, None)
+
     def _previous(self, vd: Versions) -> Versions | None:
         """The most recent other (target, draft) versions seen before ``vd`` (or last seen, if vd is new)."""
         versions = list(self._by_versions)

@@ -177,6 +177,15 @@ class Policy(ABC):
                 raise RecordError("bad_type", f"reopen() needs {name} as a non-empty string, got {v!r}")
         self._reopen(target_version, draft_version, request_type, context_bucket)
 
+    def forget(self, *, request_type: str | None = None, versions: tuple[str, str] | None = None) -> None:
+        """Drop what was learnt about a request type (under every version pair) or a (target, draft) version pair:
+        the sidecar no longer tracks it (a label that lost its place under a cap), so its state must not grow
+        memory or weigh in joint decisions. Exactly one of the two is given. Default: nothing to drop.
+        """
+        if (request_type is None) == (versions is None):
+            raise ValueError("forget() takes exactly one of request_type and versions")
+        self._forget(request_type, versions)
+
     def table(self, buckets: Iterable[Bucket], version: int, reason: str = "") -> PolicyTable:
         """Project the current best guesses (no exploration) onto a :class:`PolicyTable`."""
         entries = {b.key(): self.decide(b, explore=False).k for b in buckets}
@@ -196,6 +205,10 @@ class Policy(ABC):
     def _reopen(self, target_version: str, draft_version: str, request_type: str,  # noqa: B027 - optional hook
                 context_bucket: str) -> None:
         """Widen exploration of one acceptance bucket after a drift (default: nothing)."""
+
+    def _forget(self, request_type: str | None,  # noqa: B027 - optional hook
+                versions: tuple[str, str] | None) -> None:
+        """Drop a request type's or a version pair's learnt state (default: nothing)."""
 
     @abstractmethod
     def _get_state(self) -> dict[str, Any]:

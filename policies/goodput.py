@@ -177,6 +177,9 @@ class GoodputPolicy(Policy):
                                     acceptance_decay)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every)
         self._cells: dict[CellKey, _Cell] = {}
+        # cell -> (windows observed, the mean's best ks per type, expected goodput per shared k): every bucket of a
+        # quiet cell asks for the same answer, so one evaluation serves them all until a window arrives
+        self._best: dict[CellKey, tuple[int, dict[str, int], dict[int, float]]] = {}
         # What a cell serves: the first of these rules that answers (the last one always does).
         self._rules: tuple[Rule, ...] = (self._first, self._hold, self._probe_off, self._switch, self._explore,
                                          self._keep)
@@ -208,9 +211,20 @@ class GoodputPolicy(Policy):
         and let each cell of those versions and context bucket decide afresh at the next decision (no hold left,
         its cost probe allowed again): a widened draw can be served and the mean may switch at once."""
         self._acc.forget((target_version, draft_version), request_type, context_bucket, self.reopen_rows)
+        self._best.clear()
         for (t, d, _bb, ctx), cell in self._cells.items():
             if (t, d, ctx) == (target_version, draft_version, context_bucket):
                 cell.hold, cell.probed, cell.epoch, cell.reprobes = 0, False, -1, 0
+
+    def _forget(self, request_type: str | None, versions: tuple[str, str] | None) -> None:
+        self._acc.drop(request_type, versions)
+        self._best.clear()
+        for key in [key for key in self._cells if versions is not None and key[:2] == versions]:
+            del self._cells[key]
+        if request_type is not None:
+            for cell in self._cells.values():
+                cell.incumbent.pop(request_type, None)
+                cell.served.pop(request_type, None)
 
     # ----------------------------------------------------------------------------------------- deciding
     def _evaluate(self, bucket: Bucket, types: list[str], weights: np.ndarray,
@@ -242,18 +256,25 @@ class GoodputPolicy(Policy):
         cell = self._cells.get(key)
         if explore and cell is not None and cell.epoch == self._n_windows and b.request_type in cell.served:
             return self._result(cell, b.request_type)  # one decision per cell per batch of windows
-        combos, g_mean, g_shared = self._evaluate(b, types, w, None)
-        expected = {k: float(v) for k, v in enumerate(g_shared) if np.isfinite(v)}
         if not explore:  # the incumbent, not a probe or draw served this epoch
             # A type without an incumbent adopts the posterior mean's best, which then stays its incumbent: a
             # quiet cell keeps its last k while the shared cost model moves with other cells' traffic.
             if cell is None:
                 cell = self._cells[key] = _Cell()
-            best = dict(zip(types, (int(k) for k in combos[int(np.argmax(g_mean))]), strict=True))
+            cached = self._best.get(key)
+            if cached is not None and cached[0] == self._n_windows and b.request_type in cached[1]:
+                _, best, expected = cached
+            else:
+                combos, g_mean, g_shared = self._evaluate(b, types, w, None)
+                expected = {k: float(v) for k, v in enumerate(g_shared) if np.isfinite(v)}
+                best = dict(zip(types, (int(k) for k in combos[int(np.argmax(g_mean))]), strict=True))
+                self._best[key] = (self._n_windows, best, expected)
             cell.incumbent.update({t: k for t, k in best.items() if t not in cell.incumbent})
             ks = cell.incumbent
-            return Decision(k=int(ks[b.request_type]), expected_goodput=expected, reason="current best, no exploration",
-                            kind=DecisionKind.BEST)
+            return Decision(k=int(ks[b.request_type]), expected_goodput=dict(expected),
+                            reason="current best, no exploration", kind=DecisionKind.BEST)
+        combos, g_mean, g_shared = self._evaluate(b, types, w, None)
+        expected = {k: float(v) for k, v in enumerate(g_shared) if np.isfinite(v)}
         _, g_draw, g_draw_shared = self._evaluate(b, types, w, self._rng)  # Thompson draw (same combos)
         if cell is None:
             cell = self._cells[key] = _Cell()
@@ -409,6 +430,7 @@ class GoodputPolicy(Policy):
         return {"acceptance": self._acc.get_state(), "cost": self._cost.get_state(), "cells": cells}
 
     def _set_state(self, state: dict[str, Any]) -> None:
+        self._best.clear()
         self._acc.set_state(state["acceptance"])
         self._cost.set_state(state["cost"])
         self._cells = {}

@@ -1,16 +1,27 @@
-"""How many labels the sidecar tracks: request types, buckets and model-version pairs, each with a cap.
+"""How many labels the sidecar tracks: request types, buckets and model-version pairs, each with a cap, and who
+gets a place under a full cap.
 
 Every window that travels is well-formed, yet its labels are free text: an engine (or anyone who can write to
 the windows stream) that invents a new request type, batch bucket, context bucket or version pair per window
-makes the sidecar's policy, its bucket list and its decision time grow without end (the issue-14 probe: 1,000
-forged request types, one decision took 55.6 s and the sidecar grew to 541 MB). The gate here admits a window
-whose labels are already tracked, and new labels while they fit under :class:`CardinalityLimits`; a window that
-would cross a cap is excess, and the consumer dead-letters it with one of the reasons below (the other windows
-of its batch are stored as usual).
+would make the sidecar's policy, its bucket list and its decision time grow without end (without caps, 1,000
+forged request types made one decision take about a minute and the sidecar's memory grow past 500 MB). The gate
+admits a window whose labels are tracked, and new labels while they fit under :class:`CardinalityLimits`; a
+window that would cross a cap is excess, and the consumer dead-letters it with one of the reasons below (the
+other windows of its batch are stored as usual).
 
-Tracked labels only grow while a sidecar runs (a label once admitted stays admitted, so a redelivered entry is
-split the same way again). At start-up the gate is seeded from the windows the sidecar replays (the newest
-stored ones), so versions and types that went out of use are forgotten by a restart.
+A full cap is not first come, first served: forged labels that filled it would lock out a real new request type
+or a real model update for good. Every request type and version pair carries its **evidence**, the windows it
+brought, halved every ``evidence_half_life`` windows the gate sees. A label outside a full cap is a *candidate*;
+once its evidence reaches ``promote_windows`` and exceeds the weakest tracked label's by ``promote_ratio``, the
+weakest is evicted and the candidate takes its place. Forged labels that come once stay at one window of
+evidence and fade, so real traffic displaces them within ``promote_windows`` windows; a label that keeps
+bringing windows keeps its place. Evictions are handed to the sidecar (:meth:`CardinalityGate.take_evictions`),
+which drops the label from its buckets and its policy. Candidates are bounded too (``max_candidates``, the
+weakest dropped first).
+
+At start-up the gate is seeded from the windows the sidecar replays (the newest stored ones), so versions and
+types that went out of use are forgotten by a restart, and evidence ranks what is replayed as it ranks live
+traffic.
 
 A bucket is counted as the sidecar lists them: per version pair, request types x batch buckets x context
 buckets (each factor at least 1, so a flood of cost-only or acceptance-only labels counts too).
@@ -20,8 +31,11 @@ Pure logic, no I/O.
 
 from __future__ import annotations
 
+import math
 from collections import Counter as Tally
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 from telemetry.records import AcceptanceWindow, CostWindow, WindowBatch
 
@@ -36,7 +50,8 @@ VersionPair = tuple[str, str]  # (target version, draft version)
 
 @dataclass(frozen=True)
 class CardinalityLimits:
-    """Caps on what one sidecar tracks; a window that would cross one is dead-lettered, not learned from."""
+    """Caps on what one sidecar tracks, and the rule that gives a place under a full cap to the label with more
+    evidence; a window that crosses a cap is dead-lettered, not learned from."""
 
     # Distinct request types over all version pairs. Real deployments have a handful (code, prose, ...); the
     # goodput policy chooses k jointly for the types of a cell, so each decision costs O(types).
@@ -46,12 +61,69 @@ class CardinalityLimits:
     max_buckets: int = 4096
     # (target, draft) version pairs: each model update adds one; 16 is many updates between sidecar restarts.
     max_version_pairs: int = 16
+    # A candidate label needs this much evidence (windows, decayed) before it may evict a tracked one ...
+    promote_windows: int = 16
+    # ... and this many times the weakest tracked label's evidence (hysteresis: two labels of equal traffic do
+    # not take turns).
+    promote_ratio: float = 2.0
+    # Evidence halves every this many windows the gate sees: a label that stopped coming fades.
+    evidence_half_life: int = 5000
+    # Labels waiting outside a full cap whose evidence is kept; beyond it the weakest candidate is forgotten.
+    max_candidates: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_request_types", "max_buckets", "max_version_pairs"):
+        for name in ("max_request_types", "max_buckets", "max_version_pairs", "promote_windows",
+                     "evidence_half_life", "max_candidates"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"CardinalityLimits.{name} must be an integer >= 1, got {v!r}")
+        r = self.promote_ratio
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 1.0 <= r < float("inf"):
+            raise ValueError(f"CardinalityLimits.promote_ratio must be a number >= 1, got {r!r}")
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """A tracked label that lost its place to a candidate with more evidence."""
+
+    kind: str  # "request_type" or "version_pair"
+    request_type: str | None = None  # the evicted type (kind "request_type")
+    versions: VersionPair | None = None  # the evicted (target, draft) pair (kind "version_pair")
+
+
+class _Evidence:
+    """Windows per label, halved every ``half_life`` windows of the gate's clock (lazily, on access)."""
+
+    def __init__(self, half_life: int) -> None:
+        self._rate = math.log(2.0) / half_life
+        self._value: dict[object, tuple[float, int]] = {}  # label -> (evidence, clock when last updated)
+
+    def add(self, label: object, now: int) -> float:
+        v = self.get(label, now) + 1.0
+        self._value[label] = (v, now)
+        return v
+
+    def get(self, label: object, now: int) -> float:
+        v, at = self._value.get(label, (0.0, now))
+        return v * math.exp(-self._rate * (now - at))
+
+    def labels(self) -> list[object]:
+        return list(self._value)
+
+    def forget(self, labels: set[object]) -> None:
+        for label in labels:
+            self._value.pop(label, None)
+
+    def __len__(self) -> int:
+        return len(self._value)
+
+    def weakest(self, labels: Iterable[object], now: int) -> tuple[object | None, float]:
+        best: tuple[object | None, float] = (None, float("inf"))
+        for label in labels:
+            v = self.get(label, now)
+            if v < best[1]:
+                best = (label, v)
+        return best
 
 
 @dataclass
@@ -83,10 +155,10 @@ class Split:
 
 
 class CardinalityGate:
-    """Admits windows while the labels they add fit under the limits.
+    """Admits windows while the labels they add fit under the limits; under a full cap, by evidence.
 
     Args:
-        limits: the caps.
+        limits: the caps and the promotion rule.
     """
 
     def __init__(self, limits: CardinalityLimits | None = None) -> None:
@@ -94,22 +166,38 @@ class CardinalityGate:
         self._pairs: dict[VersionPair, _Pair] = {}
         self._types: set[str] = set()
         self._buckets = 0  # sum of _Pair.buckets() over the pairs
+        self._clock = 0  # windows seen: the evidence's time axis
+        self._evidence = _Evidence(self.limits.evidence_half_life)  # ("t", type) / ("v", pair) -> windows
+        self._evictions: list[Eviction] = []  # not yet taken by the sidecar
+        self.evicted = 0  # labels evicted so far
+        self.cap_hits: Tally[str] = Tally()  # windows refused, per reason
 
     def admit(self, w: Window) -> str | None:
-        """Track ``w``'s labels if they fit. Returns None when admitted, else the dead-letter reason."""
+        """Track ``w``'s labels if they fit (evicting a weaker label when ``w``'s has earned a place). Returns None
+        when admitted, else the dead-letter reason."""
+        reason = self._admit(w)
+        if reason is not None:
+            self.cap_hits[reason] += 1
+            self._trim_candidates()
+        return reason
+
+    def _admit(self, w: Window) -> str | None:
         lim = self.limits
+        self._clock += 1
         vp = (w.target_version, w.draft_version)
+        pair_evidence = self._evidence.add(("v", vp), self._clock)
         pair = self._pairs.get(vp)
         if pair is None:
-            if len(self._pairs) >= lim.max_version_pairs:
+            if len(self._pairs) >= lim.max_version_pairs and not self._promote(("v", vp), pair_evidence):
                 return TOO_MANY_VERSIONS
             pair = _Pair()
         new_ctx = int(w.context_bucket not in pair.context)
         if isinstance(w, AcceptanceWindow):
-            new_type = w.request_type not in pair.types
-            if w.request_type not in self._types and len(self._types) >= lim.max_request_types:
+            type_evidence = self._evidence.add(("t", w.request_type), self._clock)
+            if (w.request_type not in self._types and len(self._types) >= lim.max_request_types
+                    and not self._promote(("t", w.request_type), type_evidence)):
                 return TOO_MANY_REQUEST_TYPES
-            grown = pair.buckets(extra_types=int(new_type), extra_context=new_ctx)
+            grown = pair.buckets(extra_types=int(w.request_type not in pair.types), extra_context=new_ctx)
         else:
             grown = pair.buckets(extra_batch=int(w.batch_bucket not in pair.batch), extra_context=new_ctx)
         old = pair.buckets() if vp in self._pairs else 0
@@ -124,6 +212,48 @@ class CardinalityGate:
         else:
             pair.batch.add(w.batch_bucket)
         return None
+
+    def _tracked(self, kind: str) -> list[object]:
+        if kind == "v":
+            return [("v", vp) for vp in self._pairs]
+        return [("t", t) for t in self._types]
+
+    def _promote(self, label: tuple[str, object], evidence: float) -> bool:
+        """Evict the weakest tracked label of ``label``'s kind when ``label`` has earned its place."""
+        lim = self.limits
+        if evidence < lim.promote_windows:
+            return False
+        weakest, weakest_evidence = self._evidence.weakest(self._tracked(label[0]), self._clock)
+        if weakest is None or evidence < lim.promote_ratio * weakest_evidence:
+            return False
+        kind, value = cast(tuple[str, Any], weakest)
+        if kind == "v":
+            del self._pairs[value]
+            self._evictions.append(Eviction("version_pair", versions=value))
+        else:
+            self._types.discard(value)
+            for p in self._pairs.values():
+                p.types.discard(value)
+            self._evictions.append(Eviction("request_type", request_type=value))
+        self._buckets = sum(p.buckets() for p in self._pairs.values())
+        self.evicted += 1
+        return True
+
+    def _trim_candidates(self) -> None:
+        """Forget the weakest candidates once there are twice ``max_candidates`` of them (amortised O(1))."""
+        lim = self.limits
+        tracked = len(self._pairs) + len(self._types)
+        if len(self._evidence) <= tracked + 2 * lim.max_candidates:
+            return
+        keep = {*self._tracked("v"), *self._tracked("t")}
+        candidates = sorted((label for label in self._evidence.labels() if label not in keep),
+                            key=lambda label: self._evidence.get(label, self._clock))
+        self._evidence.forget(set(candidates[: len(candidates) - lim.max_candidates]))
+
+    def take_evictions(self) -> list[Eviction]:
+        """The labels evicted since the last call, oldest first (the sidecar drops them from its policy)."""
+        out, self._evictions = self._evictions, []
+        return out
 
     def split(self, batch: WindowBatch) -> Split:
         """Admit each window of ``batch`` in order; the rest is the excess."""
@@ -161,4 +291,7 @@ class CardinalityGate:
 
     def stats(self) -> dict[str, int]:
         """What is tracked now, JSON-safe (for health)."""
-        return {"request_types": len(self._types), "buckets": self._buckets, "version_pairs": len(self._pairs)}
+        tracked = len(self._pairs) + len(self._types)
+        return {"request_types": len(self._types), "buckets": self._buckets, "version_pairs": len(self._pairs),
+                "candidates": max(0, len(self._evidence) - tracked), "evicted": self.evicted,
+                **{f"refused_{r}": n for r, n in sorted(self.cap_hits.items())}}

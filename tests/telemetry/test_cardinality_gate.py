@@ -1,5 +1,5 @@
-"""The cardinality gate (issue 14, item 6): caps on request types, buckets and version pairs, and the consumer's
-split of a batch into stored windows and dead-lettered excess, on real Redis and SQLite."""
+"""The cardinality gate: caps on request types, buckets and version pairs, evidence-ranked places under a full
+cap, and the consumer's split of a batch into stored windows and dead-lettered excess, on real Redis and SQLite."""
 
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ def test_each_cap_has_its_reason_and_known_labels_stay_admitted() -> None:
     assert g.admit(cost(16)) is None and g.admit(cost(32)) is None  # 3 x 6 x 2 + 1 = 37 fits ...
     assert g.admit(cost(64)) == TOO_MANY_BUCKETS  # ... 3 x 7 x 2 + 1 = 43 does not
     assert g.admit(acc("a", ctx=">8192")) == TOO_MANY_BUCKETS  # 3 x 6 x 3 + 1 = 55: a new context neither
-    assert g.buckets == 37 and g.stats() == {"request_types": 3, "buckets": 37, "version_pairs": 2}
+    assert g.buckets == 37 and g.stats() == {
+        "request_types": 3, "buckets": 37, "version_pairs": 2, "candidates": 2, "evicted": 0,
+        "refused_too_many_buckets": 2, "refused_too_many_request_types": 1, "refused_too_many_versions": 1}
 
 
 def test_a_flood_is_capped_and_a_redelivery_splits_the_same_way() -> None:
@@ -100,3 +102,48 @@ def test_the_consumer_stores_the_rest_and_dead_letters_the_excess(redis_url: str
         assert (c.stats().stored, c.stats().dead_lettered_entries) == (2, 1)
         assert t.client.xpending(t.stream, "sidecar")["pending"] == 0  # every entry settled
     t.close()
+
+
+def test_forged_labels_that_filled_the_caps_give_way_to_real_traffic() -> None:
+    """A full cap is not first come, first served: forged types and version pairs that came once each are evicted
+    by a real new type and a real model update once those have brought ``promote_windows`` windows."""
+    lim = CardinalityLimits(max_request_types=8, max_version_pairs=4, promote_windows=16)
+    g = CardinalityGate(lim)
+    for _ in range(50):
+        assert g.admit(acc("code")) is None
+    for i in range(200):
+        g.admit(acc(f"forged-{i}"))
+        g.admit(acc("code", target=f"forged-t{i}"))
+    assert g.request_types == 8 and g.version_pairs == 4
+    assert g.take_evictions() == []
+
+    # Evidence decays a little per window, so a label crosses promote_windows on about its 17th window.
+    answers = [g.admit(acc("prose")) for _ in range(631)]
+    first = answers.index(None)
+    assert lim.promote_windows - 1 <= first <= lim.promote_windows + 1
+    assert set(answers[:first]) == {TOO_MANY_REQUEST_TYPES} and set(answers[first:]) == {None}  # in, for good
+    update = [g.admit(acc("code", target="t2")) for _ in range(2406)]
+    first = update.index(None)
+    assert first <= lim.promote_windows + 1 and set(update[first:]) == {None}
+
+    evicted = g.take_evictions()
+    assert [e.kind for e in evicted] == ["request_type", "version_pair"]
+    assert evicted[0].request_type is not None and evicted[0].request_type.startswith("forged-")
+    assert evicted[1].versions is not None and evicted[1].versions[0].startswith("forged-t")
+    assert g.take_evictions() == []  # handed over once
+    assert g.admit(acc("code")) is None  # the label with the most evidence was never at risk
+    assert g.stats()["evicted"] == 2
+
+
+def test_labels_of_equal_traffic_do_not_take_turns_and_candidates_are_bounded() -> None:
+    lim = CardinalityLimits(max_request_types=2, promote_windows=4, promote_ratio=2.0, max_candidates=8)
+    g = CardinalityGate(lim)
+    for _ in range(20):
+        g.admit(acc("a"))
+        g.admit(acc("b"))
+        g.admit(acc("c"))  # as much traffic as a and b: never twice the weakest, so never promoted
+    assert g.request_types == 2 and g.stats()["evicted"] == 0
+    for i in range(1000):  # one window each: candidates, of which at most 2 x max_candidates are remembered
+        g.admit(acc(f"x{i}"))
+    assert g.stats()["candidates"] <= 2 * lim.max_candidates + 1
+    assert g.stats()["evicted"] == 0
