@@ -124,6 +124,16 @@ class Transport(ABC):
     def recent_dead_letters(self, count: int = 100) -> list[DeadLetter]:
         """The newest ``count`` dead letters, newest first (what an operator looks at)."""
 
+    def trim_acknowledged(self) -> int:
+        """Drop entries every consumer group has acknowledged (their windows are in the store); returns how many
+        were dropped. Default: nothing kept that needs trimming."""
+        return 0
+
+    def stream_lengths(self) -> dict[str, int]:
+        """Entries held per stream (``windows``, ``deadletter``) and the windows not yet delivered to the sidecars
+        (``unread``), for health and metrics. Default: none."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release connections."""
 
@@ -224,7 +234,9 @@ class RedisConfig:
 
     prefix: str = DEFAULT_PREFIX  # the names' prefix (see RedisKeys); engines and sidecars must share it
     maxlen: int = 1_000_000  # approximate MAXLEN of the windows stream: ~minutes of a large fleet's windows
-    deadletter_maxlen: int = 100_000  # dead letters are for inspection, not for ever
+    # Dead letters are for inspection, not for ever: the newest this many are kept (each up to MAX_ENCODED_BYTES;
+    # hostile entries are usually small). Every one is counted per reason in the sidecar's metrics before it goes.
+    deadletter_maxlen: int = 10_000
     socket_timeout_s: float = 2.0  # a stuck Redis must not hold an engine's flush thread for long
     connect_timeout_s: float = 1.0
     backoff_initial_s: float = 0.05  # first wait after a failure before trying Redis again
@@ -394,6 +406,50 @@ class RedisStreamsTransport(Transport):
         resp = self._call("XREVRANGE", lambda: self._r.xrevrange(self.deadletter_stream, count=count))
         return [_read_dead_letter(fields) for _eid, fields in resp or []]
 
+    def trim_acknowledged(self) -> int:
+        """``XTRIM MINID`` the windows stream below the oldest entry any consumer group still needs: the oldest
+        pending (delivered, not acknowledged) entry, else the group's last-delivered id. Everything below was
+        acknowledged, which a consumer does only after the store committed it, so nothing unstored is dropped.
+        Without a group nothing is trimmed (entries wait for the first sidecar; MAXLEN still caps them)."""
+
+        def run() -> int:
+            try:
+                groups = self._r.xinfo_groups(self.stream)
+            except ResponseError:  # no stream yet
+                return 0
+            if not groups:
+                return 0
+            floor: tuple[int, int] | None = None
+            for g in groups:
+                name = g["name"]
+                pending = self._r.xpending(self.stream, name)
+                oldest = pending.get("min") if pending and pending.get("pending") else None
+                need = _stream_id(oldest if oldest is not None else g["last-delivered-id"])
+                if oldest is None:
+                    need = (need[0], need[1] + 1)  # the last delivered entry is acknowledged too
+                floor = need if floor is None else min(floor, need)
+            if floor is None or floor == (0, 1):
+                return 0
+            return int(self._r.xtrim(self.stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))
+
+        out: int = self._call("XTRIM", run)
+        return out
+
+    def stream_lengths(self) -> dict[str, int]:
+        def run() -> list[Any]:
+            pipe = self._r.pipeline(transaction=False)
+            pipe.xlen(self.stream)
+            pipe.xlen(self.deadletter_stream)
+            pipe.xinfo_groups(self.stream)
+            return list(pipe.execute(raise_on_error=False))
+
+        windows, dead, groups = self._call("XLEN", run)
+        # unread: entries the sidecars' group has not been delivered yet (Redis >= 7 reports the lag; None when it
+        # cannot tell, e.g. after an XDEL, and then every entry held counts)
+        lag = next((g.get("lag") for g in groups if g.get("name") in (GROUP, GROUP.encode())), None) \
+            if isinstance(groups, list) else 0
+        return {"windows": int(windows), "deadletter": int(dead), "unread": int(windows if lag is None else lag)}
+
     def ping(self) -> bool:
         """True when Redis answers (no backoff gate: an operator's explicit check)."""
         try:
@@ -427,6 +483,13 @@ def _read_dead_letter(f: dict[bytes, bytes]) -> DeadLetter:
         size=number(b"size", int),
         at=number(b"at", float),
     )
+
+
+def _stream_id(raw: Any) -> tuple[int, int]:
+    """``b"1700000000000-3"`` -> ``(1700000000000, 3)``."""
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _entries(raw: Any) -> list[Entry]:

@@ -282,8 +282,12 @@ class _Handler(BaseHTTPRequestHandler):
             if not sc.store.unpin(key, who="http"):
                 return self._json(404, {"error": f"no active pin on {key!r}", "reason": "no_pin"})
             self.server.pages.invalidate()
+            if not sc.is_leader:
+                return self._json(202, {"unpinned": key, "policy_version": sc.version, "leader": False,
+                                        "applied_by": "the leader sidecar, at its next decision"})
             table = sc.publish_now(f"unpin {key}")
-            return self._json(200, {"unpinned": key, "policy_version": table.version if table else sc.version})
+            return self._json(200, {"unpinned": key, "policy_version": table.version if table else sc.version,
+                                    "leader": True})
         if method == "GET" and path == "/metrics":
             return self._send(200, sc.metrics.exposition(METRICS_MAX_AGE_S), CONTENT_TYPE_LATEST)
         if method == "GET" and path == "/deadletter":
@@ -354,10 +358,15 @@ class _Handler(BaseHTTPRequestHandler):
         except RecordError as e:
             raise BadRequest(e.reason, str(e)) from e
         self.server.pages.invalidate()
+        if not sc.is_leader:
+            # A follower stores the pin; the leader applies stored pins at its next decision (publish_every_s).
+            self._json(202, {"pinned": asdict(pin), "policy_version": sc.version, "published": False,
+                             "leader": False, "applied_by": "the leader sidecar, at its next decision"})
+            return
         table = sc.publish_now(f"pin {bucket}={k}")
         # "published": false says the pin is stored but no engine has it yet (the sidecar keeps retrying).
         self._json(200, {"pinned": asdict(pin), "policy_version": table.version if table else sc.version,
-                         "published": sc.published})
+                         "published": sc.published and sc.is_leader, "leader": sc.is_leader})
 
 
 class _Conn:

@@ -21,17 +21,20 @@ Labels are the acceptance bucket: ``target_version``, ``draft_version``, ``reque
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from telemetry.records import WILDCARD, AcceptanceWindow
+from telemetry.records import MAX_DRAFT_LEN, WILDCARD, AcceptanceWindow
 from telemetry.wire import parse_bucket_key
 
 ACCEPTANCE_LABELS = ("target_version", "draft_version", "request_type", "context_bucket")
 BUCKET_LABELS = ("target_version", "draft_version", "request_type", "batch_bucket", "context_bucket")
 # Decision latency spans a dict lookup (cached) to a full table recompute (tens of ms for many buckets).
+DEGRADED_REASONS = ("transport", "store", "publisher", "decision_overdue", "lease_churn", "label_caps",
+                    "stream_backlog")
 DECISION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -104,6 +107,25 @@ class SidecarMetrics:
             "spectune_sidecar_lease_events",
             "Leader lease transitions of this sidecar: acquired, or lost (lapsed, taken over, Redis unreachable; "
             "a clean release is not a loss).", ["event"], registry=r)
+        self.decision_deferred = Gauge(
+            "spectune_decision_deferred_buckets",
+            "Buckets the last decision did not reach within its time budget (they kept their k and go first next).",
+            registry=r)
+        self.labels_evicted = Counter(
+            "spectune_labels_evicted",
+            "Request types / version pairs evicted from the label caps by a label with more evidence.", ["kind"],
+            registry=r)
+        self.stream_entries = Gauge(
+            "spectune_stream_entries", "Entries held in each Redis stream, as of the last trim.", ["stream"],
+            registry=r)
+        self.stream_trimmed = Counter(
+            "spectune_stream_trimmed_entries",
+            "Windows-stream entries trimmed after every consumer group acknowledged (stored) them.", registry=r)
+        self.degraded = Gauge(
+            "spectune_sidecar_degraded",
+            "1 while /health is degraded for this reason: transport, store, publisher, decision_overdue (the leader "
+            "took no due decision within 2 intervals + 1 s), lease_churn (3 lease losses within 5 minutes), "
+            "label_caps (a cap refused windows within 60 s), stream_backlog.", ["reason"], registry=r)
         # label tuple -> [rows that drafted, drafted, accepted, emitted]: the gauges are ratios of these totals
         self._totals: dict[tuple[str, ...], list[int]] = {}
 
@@ -128,6 +150,35 @@ class SidecarMetrics:
         t[3] += w.emitted
         self.acceptance_rate.labels(*labels).set(t[2] / t[1] if t[1] else 0.0)
         self.mean_acceptance_length.labels(*labels).set(t[3] / t[0])
+
+    def forget_request_type(self, rtype: str) -> None:
+        """Drop the spec-decode series of a request type the sidecar no longer tracks (evicted from the caps)."""
+        for labels in [labels for labels in self._totals if labels[2] == rtype]:
+            del self._totals[labels]
+            for series in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.acceptance_rate,
+                           self.mean_acceptance_length):
+                with contextlib.suppress(KeyError):
+                    series.remove(*labels)
+            for pos in range(MAX_DRAFT_LEN):
+                with contextlib.suppress(KeyError):
+                    self.num_accepted_tokens_per_pos.remove(*labels, str(pos))
+
+    def on_decision(self, seconds: float, deferred: int) -> None:
+        self.decision_seconds.observe(seconds)
+        self.decision_deferred.set(deferred)
+
+    def on_label_evicted(self, kind: str) -> None:
+        self.labels_evicted.labels(kind).inc()
+
+    def on_streams(self, trimmed: int, lengths: dict[str, int]) -> None:
+        if trimmed > 0:
+            self.stream_trimmed.inc(trimmed)
+        for stream, n in lengths.items():
+            self.stream_entries.labels(stream).set(n)
+
+    def on_degraded(self, reasons: list[str]) -> None:
+        for reason in DEGRADED_REASONS:
+            self.degraded.labels(reason).set(1 if reason in reasons else 0)
 
     def on_cost(self) -> None:
         self.windows_observed.labels("cost").inc()

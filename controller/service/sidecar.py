@@ -84,6 +84,10 @@ PEER_ALERTS_READ = 200  # newest acceptance_drift alerts read each time
 HISTORY_KEEP = 1000  # decisions kept in memory for the demo and the HTTP endpoint
 ERROR_BACKOFF_S = 0.5  # pause after an unexpected error, so a persistent fault is not a busy loop
 MAX_CATCH_UP_POLLS = 1000  # a new leader reads the feed to its end before deciding, at most this many pages
+DECISION_TIMES_KEPT = 256  # recent decision durations kept for health's p99
+LEASE_CHURN_WINDOW_S = 300.0  # health: the leader lease lost ...
+LEASE_CHURN_LOSSES = 3  # ... this many times within the window is churn
+CAPS_RECENT_S = 60.0  # health: a label cap refused windows this recently
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +111,24 @@ class SidecarConfig:
     limits: CardinalityLimits = field(default_factory=CardinalityLimits)
     # With a lease, how the policy tails the store for the windows every consumer committed.
     feed: WindowFeedConfig = field(default_factory=WindowFeedConfig)
+    # A decision stops deciding buckets after this many seconds; the buckets it did not reach keep their last k
+    # and go first at the next decision. It must stay well inside the leader lease (renewed between steps), so
+    # that no flood of labels can make a decision outlast the lease and stop publishing.
+    decide_budget_s: float = 0.5
+    # How often the windows stream is trimmed below what every consumer group acknowledged, and the streams'
+    # lengths read for health.
+    trim_every_s: float = 5.0
+    # /health says degraded while more windows than this wait in the stream undelivered (a backlog nobody reads).
+    stream_backlog_degraded: int = 100_000
 
     def __post_init__(self) -> None:
         if self.publish_every_windows < 1:
             raise ValueError(f"SidecarConfig.publish_every_windows must be >= 1, got {self.publish_every_windows}")
         if self.publish_every_s <= 0:
             raise ValueError(f"SidecarConfig.publish_every_s must be > 0, got {self.publish_every_s}")
+        if not 0 < self.decide_budget_s <= 60 or not self.trim_every_s > 0 or self.stream_backlog_degraded < 1:
+            raise ValueError("SidecarConfig needs 0 < decide_budget_s <= 60, trim_every_s > 0 and "
+                             "stream_backlog_degraded >= 1")
         if self.warm_start_windows < 0 or self.max_table_buckets < 1 or self.explore_active_decisions < 1:
             raise ValueError("SidecarConfig needs warm_start_windows >= 0, max_table_buckets >= 1 and "
                              "explore_active_decisions >= 1")
@@ -233,6 +249,20 @@ class Sidecar:
         self._feed = WindowFeed(store, config.feed) if lease is not None else None
         self._feed_ready = False  # the feed's start position is set (by the replay, or at the store's top)
         self._leader_since: float | None = None  # wall-clock seconds this sidecar last became the leader
+        self._leader_since_mono: float | None = None
+        self._deferred: list[str] = []  # bucket keys the last decision's budget did not reach: first next time
+        self._last_decision: dict[str, Decision] = {}  # bucket key -> its latest decision (kept when deferred)
+        self._decision_times: deque[float] = deque(maxlen=DECISION_TIMES_KEPT)  # seconds per decision
+        self._last_decision_at: float | None = None  # wall-clock seconds of the last decision taken
+        self._last_decision_mono: float | None = None
+        self._lease_losses: deque[float] = deque(maxlen=LEASE_CHURN_LOSSES)  # monotonic times of the last losses
+        self._cap_hits_seen = 0  # windows the gate refused, as of the last step
+        self._caps_hit_at: float | None = None  # monotonic time a cap last refused a window
+        self._next_trim = 0.0
+        self._next_health_gauges = 0.0
+        self.streams: dict[str, int] = {}  # entries per stream, as of the last trim
+        self.trimmed = 0  # stream entries trimmed after every consumer group acknowledged them
+        self.evicted: dict[str, int] = {}  # labels evicted from the caps by ones with more evidence, per kind
         self.metrics.on_leadership(self._leader, changed=False)
         self._resume()
 
@@ -263,6 +293,7 @@ class Sidecar:
             for _, w in windows:
                 if self._gate.admit(w) is None:  # stored before the caps were lowered: kept, not learned from
                     self._observe_window(w, count_metrics=False)
+            self._apply_evictions()
 
     # ------------------------------------------------------------------------------------------- loop
     def step(self) -> int:
@@ -270,6 +301,7 @@ class Sidecar:
         batches = self._consumer.step()
         self._sync_consumer_rejections()
         with self._lock:
+            self._apply_evictions()  # before the batches: their windows may be of a label just admitted
             for b in batches:
                 self._observe_batch(b, learn=self._feed is None)  # with a feed the policy learns from the store
         self.windows_ingested += len(batches)
@@ -282,7 +314,40 @@ class Sidecar:
         now = time.monotonic()
         if self._leader and (self._since_decide >= self.config.publish_every_windows or now >= self._next_tick):
             self.publish_if_changed("learned")
+        elif not self._leader and now >= self._next_tick:
+            self._next_tick = now + self.config.publish_every_s
+            self._follow_store_version()
+        if now >= self._next_trim:
+            self._next_trim = now + self.config.trim_every_s
+            self._trim_streams()
+        if now >= self._next_health_gauges:
+            self._next_health_gauges = now + 0.25
+            self.metrics.on_degraded(self.degraded_because())
         return len(batches)
+
+    def _follow_store_version(self) -> None:
+        """A follower's version is the store's newest (what the leader published), so /health tells the truth."""
+        try:
+            latest = self.store.latest_policy_version()
+        except StoreError as e:
+            self._error(e)
+            return
+        with self._lock:
+            if latest is not None and latest.version > self._version and not self._leader:
+                self._version, self._current = latest.version, latest
+
+    def _trim_streams(self) -> None:
+        """Trim the windows stream below what every consumer group acknowledged (stored), and read the streams'
+        lengths: without this Redis would hold every window ever sent, up to the stream's MAXLEN."""
+        try:
+            n = self.transport.trim_acknowledged()
+            self.streams = self.transport.stream_lengths()
+        except TransportError as e:
+            self._error(e)
+            return
+        self.trimmed += n
+        self.metrics.on_streams(n, self.streams)
+        self.metrics.on_degraded(self.degraded_because())
 
     def run(self, stop: threading.Event | None = None, *, duration_s: float | None = None,
             on_publish: Callable[[PublishedVersion], None] | None = None) -> None:
@@ -381,7 +446,7 @@ class Sidecar:
             self._kept = {}  # decided afresh by this policy
             self._next_tick = 0.0  # decide at once
             self._leader = True
-            self._leader_since = time.time()
+            self._leader_since, self._leader_since_mono = time.time(), time.monotonic()
         self.metrics.on_leadership(True, changed=True)
         log.info("leader lease %s acquired: caught up from the store, continuing from v%d", self.lease_key,
                  self._version)
@@ -391,6 +456,7 @@ class Sidecar:
         if not self._leader:
             return
         self._leader = False
+        self._lease_losses.append(time.monotonic())
         self.metrics.on_leadership(False, changed=True)
         log.warning("%s (%s): following; this sidecar no longer decides nor publishes", why, self.lease_key)
 
@@ -437,7 +503,40 @@ class Sidecar:
             for w in windows:
                 if self._gate.admit(w) is None:  # as the replay: labels past the caps are stored, not learned
                     self._observe_window(w, count_metrics=False)
+            self._apply_evictions()
         return len(windows)
+
+    def _apply_evictions(self) -> None:
+        """Labels the gate evicted for ones with more evidence leave the buckets, the policy and the series
+        (call with the lock held): their entries drop out of the next table."""
+        hits = sum(self._gate.cap_hits.values())
+        if hits > self._cap_hits_seen:
+            self._cap_hits_seen, self._caps_hit_at = hits, time.monotonic()
+        for e in self._gate.take_evictions():
+            gone: Callable[[str], bool]
+            if e.versions is not None:
+                self._seen.pop(e.versions, None)
+                prefix = f"{e.versions[0]}|{e.versions[1]}|"
+                gone = prefix_of(prefix)
+                label = f"versions {e.versions[0]}/{e.versions[1]}"
+            else:
+                rtype = e.request_type or ""
+                for seen in self._seen.values():
+                    seen.types.discard(rtype)
+                gone = type_of(rtype)
+                label = f"request type {rtype!r}"
+            self._kept = {k: d for k, d in self._kept.items() if not gone(k)}
+            self._last_decision = {k: d for k, d in self._last_decision.items() if not gone(k)}
+            self._deferred = [k for k in self._deferred if not gone(k)]
+            try:
+                self.policy.forget(request_type=e.request_type, versions=e.versions)
+            except Exception as exc:  # a policy bug must not stop ingestion
+                self._error(exc)
+            if e.request_type is not None:
+                self.metrics.forget_request_type(e.request_type)
+            self.evicted[e.kind] = self.evicted.get(e.kind, 0) + 1
+            self.metrics.on_label_evicted(e.kind)
+            log.warning("%s evicted from the label caps by a label with more evidence; no longer learned", label)
 
     # ---------------------------------------------------------------------------------------- learning
     def _observe_batch(self, b: WindowBatch, learn: bool = True) -> None:
@@ -577,7 +676,10 @@ class Sidecar:
                 self._count_rejected("policy_error")
                 self._error(e)
                 return None
-            self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            self._decision_times.append(took)
+            self._last_decision_at, self._last_decision_mono = time.time(), time.monotonic()
+            self.metrics.on_decision(took, len(self._deferred))
             try:
                 pins = self.store.active_pins()
             except StoreError as e:
@@ -595,20 +697,42 @@ class Sidecar:
             return self._store_and_publish(entries, default_k, reason, decisions)
 
     def _decide(self, buckets: list[Bucket]) -> dict[str, Decision]:
-        """The policy's decision per bucket. A bucket whose cell is quiet keeps the decision it got without
-        exploration (the policy would return the same incumbent: nothing of that cell moved); active cells, new
-        buckets and buckets that were exploring when their cell went quiet are decided."""
+        """The policy's decision per bucket, within ``decide_budget_s``.
+
+        A bucket whose cell is quiet keeps the decision it got without exploration (the policy would return the
+        same incumbent: nothing of that cell moved); active cells, new buckets and buckets that were exploring when
+        their cell went quiet are decided. They are decided in order of need: the buckets the last decision's
+        budget did not reach, then buckets whose cells have traffic, then new ones, then the rest. Once the budget
+        is spent, a bucket still to decide keeps its latest decision (a new one stays out of the table: engines
+        give it the default k) and goes first next time, so a flood of labels slows how fast the table follows,
+        never whether it is published.
+        """
+        deferred = set(self._deferred)
+        active = {b.key(): self._active(b) for b in buckets}
+
+        def need(b: Bucket) -> int:
+            key = b.key()
+            return 0 if key in deferred else 1 if active[key] else 2 if key not in self._last_decision else 3
+
+        end = time.perf_counter() + self.config.decide_budget_s
         decisions: dict[str, Decision] = {}
         kept: dict[str, Decision] = {}
-        for b in buckets:
-            key, active = b.key(), self._active(b)
-            d = None if active else self._kept.get(key)
+        late: list[str] = []
+        for b in sorted(buckets, key=need):
+            key = b.key()
+            d = None if active[key] else self._kept.get(key)
             if d is None:
-                d = self.policy.decide(b, explore=active)
-            if not active:
+                if time.perf_counter() >= end:
+                    late.append(key)
+                    if (prev := self._last_decision.get(key)) is not None:
+                        decisions[key] = prev
+                    continue
+                d = self.policy.decide(b, explore=active[key])
+            if not active[key]:
                 kept[key] = d
             decisions[key] = d
-        self._kept = kept
+        decisions = {b.key(): decisions[b.key()] for b in buckets if b.key() in decisions}  # the buckets' order
+        self._kept, self._deferred, self._last_decision = kept, late, decisions
         return decisions
 
     def _active(self, b: Bucket) -> bool:
@@ -758,16 +882,58 @@ class Sidecar:
                 "losses": ls.losses, "failures": ls.failures, "last_error": ls.last_error,
                 "feed": self._feed.stats()}
 
+    @property
+    def is_leader(self) -> bool:
+        """Whether this sidecar decides and publishes now (always, without a lease)."""
+        return self._leads()
+
+    def _decision_overdue(self) -> bool:
+        """The leader has not taken a due decision within twice the decision interval plus a second."""
+        if not self._leader:
+            return False
+        since = self._last_decision_mono or self._leader_since_mono
+        if since is None:
+            return False
+        return time.monotonic() - since > 2 * self.config.publish_every_s + 1.0
+
+    def degraded_because(self) -> list[str]:
+        """Why ``/health`` says degraded (empty: ok). Each reason is also the ``reason`` label of
+        ``spectune_sidecar_degraded``."""
+        cs = self._consumer.stats()
+        now = time.monotonic()
+        out = [name for name, ok in (("transport", cs.transport_ok), ("store", cs.store_ok),
+                                     ("publisher", self._publisher_ok)) if not ok]
+        if self._decision_overdue():
+            out.append("decision_overdue")
+        if len(self._lease_losses) >= LEASE_CHURN_LOSSES and now - self._lease_losses[0] <= LEASE_CHURN_WINDOW_S:
+            out.append("lease_churn")
+        if self._caps_hit_at is not None and now - self._caps_hit_at <= CAPS_RECENT_S:
+            out.append("label_caps")
+        if self.streams.get("unread", 0) > self.config.stream_backlog_degraded:
+            out.append("stream_backlog")
+        return out
+
+    def _deciding_health(self) -> dict[str, Any]:
+        times = sorted(self._decision_times)
+        p99 = times[min(len(times) - 1, int(0.99 * len(times)))] if times else None
+        return {"decisions": self._decisions, "last_at": self._last_decision_at,
+                "last_s": round(self._decision_times[-1], 6) if times else None,
+                "p99_s": None if p99 is None else round(p99, 6), "budget_s": self.config.decide_budget_s,
+                "deferred_buckets": len(self._deferred), "overdue": self._decision_overdue()}
+
     def health(self) -> dict[str, Any]:
         """A JSON-safe summary for ``GET /health`` and the CLI."""
         cs = self._consumer.stats()
-        # "degraded" while a dependency's latest attempt failed; the failure counts below stay cumulative.
+        # "degraded" while a dependency's latest attempt failed or a stuck state holds (degraded_because); the
+        # failure counts below stay cumulative.
         healthy = cs.transport_ok and cs.store_ok and self._publisher_ok
+        because = self.degraded_because()
         # last_error is the failure in force (None once every dependency answers again); previous_error keeps
         # the latest one with its time, so that an operator sees what happened after the recovery too.
         latest = cs.last_error if not cs.transport_ok or not cs.store_ok else self.last_error or cs.last_error
         return {
-            "status": "ok" if healthy else "degraded",
+            "status": "degraded" if because else "ok",
+            "degraded_because": because,
             "policy": self.policy.name,
             "policy_version": self._version,
             "windows_ingested": self.windows_ingested,
@@ -790,12 +956,25 @@ class Sidecar:
             "leader": self._leads(),
             "lease": None if self.lease is None else self._lease_health(),
             "tracked": self._gate.stats(),
+            "evicted": dict(self.evicted),
+            "deciding": self._deciding_health(),
+            "streams": {**self.streams, "trimmed": self.trimmed},
             "alerts": None if self.alerts is None else {
                 "raised": dict(sorted((k[len("raised_"):], n) for k, n in self.alerts.stats.items()
                                       if k.startswith("raised_"))),
                 "failures": self.alert_failures + self.alerts.stats["failures"], "reopened": self.reopened},
             "uptime_s": round(time.time() - self.started_at, 3),
         }
+
+
+def prefix_of(prefix: str) -> Callable[[str], bool]:
+    """Whether a bucket key is of the version pair ``prefix`` (``"target|draft|"``)."""
+    return lambda key: key.startswith(prefix)
+
+
+def type_of(rtype: str) -> Callable[[str], bool]:
+    """Whether a bucket key is of request type ``rtype``."""
+    return lambda key: parse_bucket_key(key)[2] == rtype
 
 
 def _most_common(ks: Iterable[int], fallback: int) -> int:
