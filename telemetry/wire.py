@@ -1,12 +1,12 @@
 """What travels, and the one rule for each field of it: encoding, decoding and validation of window batches.
 
-Each travelling record has one wire definition here (a ``msgspec.Struct``), mirroring its dataclass in
-:mod:`telemetry.records` field for field. The field types carry the per-field rules (``Meta`` bounds, checked in
-C while decoding), one builder function per record carries the rules between fields and builds the record, and
-the same definitions serve JSON and msgpack, the sidecar's decoder, the engine's own check of the rounds it
-aggregates (:func:`check_round`, :func:`check_rounds`) and the policies' check of the windows they learn from
-(:func:`check_window`). Bucket keys and labels are parsed here too (:func:`parse_bucket_key`,
-:func:`check_label`), so that every rule exists once.
+Each travelling record is defined once, as its dataclass in :mod:`telemetry.records`; its wire definition here
+is a ``msgspec.Struct`` derived from that dataclass (same fields, order and defaults) whose field types carry the
+per-field rules (``Meta`` bounds, checked in C while decoding). One builder function per record carries the rules
+between fields and builds the record, and the same definitions serve JSON and msgpack, the sidecar's decoder, the
+engine's own check of the rounds it aggregates (:func:`check_round`, :func:`check_rounds`) and the policies' check
+of the windows they learn from (:func:`check_window`). Bucket keys and labels are parsed here too
+(:func:`parse_bucket_key`, :func:`check_label`), so that every rule exists once.
 
 Every failure is a :class:`~telemetry.records.RecordError` whose ``reason`` is a short countable label
 (``bad_type``, ``out_of_range``, ``bad_name``, ``non_finite``, ``negative_time``, ``bad_hist``,
@@ -25,7 +25,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from operator import mul as _mul
-from typing import Annotated, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeAlias, get_type_hints
 
 import msgspec
 from msgspec import Meta, Struct
@@ -196,13 +196,14 @@ def parse_bucket(key: Any) -> Bucket:
 
 
 # ------------------------------------------------------------------------------------- wire definitions
-# Each Struct below holds a record's fields with their rules (checked in C while decoding); the function after it
-# checks the rules between fields and the labels, and builds the record. Decoding, msgspec.convert of plain
-# objects and the checks of records in memory all go through both, so a rule cannot be skipped on one path.
+# A record's wire definition is a Struct derived from its dataclass (_wire_struct): the record's fields, in its
+# order, with its defaults, each typed by its rule (checked in C while decoding). The function after each checks
+# the rules between fields and the labels, and builds the record. Decoding, msgspec.convert of plain objects and
+# the checks of records in memory all go through both, so a rule cannot be skipped on one path.
 #
 # The records are frozen dataclasses, whose __init__ pays one object.__setattr__ per field: more than decoding
 # and checking together. The builders give a new instance its field dict directly, as pickle and copy do; the
-# records have no __post_init__ for this to skip (_build asserts it).
+# records have no __post_init__ for this to skip (_wire_struct asserts it).
 _new = object.__new__
 _set = object.__setattr__
 
@@ -213,11 +214,74 @@ def _build(cls: type[Any], fields: dict[str, Any]) -> Any:
     return obj
 
 
-class _Stat(Struct, frozen=True, gc=False):
-    count: Tally
-    total: Seconds
-    sumsq: Seconds
-    max: Seconds
+def _wire_struct(
+    name: str,
+    record: type[Any],
+    rules: dict[str, Any],
+    *,
+    required: tuple[str, ...] = (),
+    wire_defaults: dict[str, Any] | None = None,
+) -> type[Struct]:
+    """The wire definition of ``record``: a frozen Struct with the record's fields, in its order, with its defaults.
+
+    Args:
+        name: the Struct's class name (its repr, and the type hypothesis draws in ``bench/faults.py``).
+        record: a frozen dataclass of :mod:`telemetry.records`.
+        rules: field name -> the type the field is decoded as: a ``Meta``-bounded type, or the wire definition
+            of a nested record. A field without a rule must be a label (``str``), which the builder checks.
+        required: fields a sender must send though the record has a default for them.
+        wire_defaults: field name -> the default the wire has instead of the record's.
+    """
+    assert not hasattr(record, "__post_init__"), f"{record.__name__} gained a __post_init__: build it normally"
+    hints = get_type_hints(record)
+    fields = dataclasses.fields(record)
+    unknown = (set(rules) | set(required) | set(wire_defaults or ())) - {f.name for f in fields}
+    assert not unknown, f"wire settings for fields {record.__name__} does not have: {sorted(unknown)}"
+    spec: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for f in fields:
+        assert f.name in rules or hints[f.name] is str, f"{record.__name__}.{f.name} needs a rule on the wire"
+        assert f.default_factory is dataclasses.MISSING, f"{record.__name__}.{f.name}: a default factory"
+        rule = rules.get(f.name, str)
+        default = dataclasses.MISSING if f.name in required else (wire_defaults or {}).get(f.name, f.default)
+        spec.append((f.name, rule) if default is dataclasses.MISSING else (f.name, rule, default))
+    return msgspec.defstruct(name, spec, module=__name__, frozen=True, gc=False)
+
+
+if TYPE_CHECKING:  # to a type checker, a wire definition reads as its record: it has the same fields
+    _Stat: TypeAlias = Stat
+    _Acceptance: TypeAlias = AcceptanceWindow
+    _Cost: TypeAlias = CostWindow
+    _Row: TypeAlias = RowRecord
+    _Round: TypeAlias = RoundRecord
+    _Batch: TypeAlias = WindowBatch
+else:
+    # A stat travels whole: its four numbers or nothing (the record's zeros are for building one up).
+    _Stat = _wire_struct("_Stat", Stat, {"count": Tally, "total": Seconds, "sumsq": Seconds, "max": Seconds},
+                         required=("count", "total", "sumsq", "max"))
+    _Acceptance = _wire_struct("_Acceptance", AcceptanceWindow, {
+        "k": DraftLen, "rows": Tally, "drafted": Tally, "accepted": Tally, "emitted": Tally,
+        "hist": tuple[Tally, ...],
+    })
+    _Cost = _wire_struct("_Cost", CostWindow, {
+        "batch_bucket": BatchBucket, "max_k": DraftLen,
+        "rounds": Annotated[int, Meta(ge=1, le=MAX_TALLY)],  # a cost window without rounds is no window
+        "tokens_verified": Tally, "emitted": Tally, "batch_rows": Tally,
+        "draft_s": _Stat, "verify_s": _Stat, "other_s": _Stat,
+        "latency_p50": Seconds, "latency_p95": Seconds, "latency_p99": Seconds,
+    })
+    _Row = _wire_struct("_Row", RowRecord, {"context_len": Tally, "k": DraftLen, "accepted": Tally, "emitted": Tally})
+    _Round = _wire_struct("_Round", RoundRecord, {
+        "round_index": Count, "batch_size": Annotated[int, Meta(ge=1)], "max_k": DraftLen, "tokens_verified": Tally,
+        "draft_s": Seconds, "verify_s": Seconds, "other_s": Seconds, "rows": tuple[_Row, ...],
+        "timestamp": Seconds,
+        "prefill_s": Seconds,  # absent from engines that predate it: the record's default, 0.0
+    })
+    _Batch = _wire_struct("_Batch", WindowBatch, {
+        "seq": Count, "window_start": Seconds, "window_end": Seconds,
+        "acceptance": tuple[_Acceptance, ...], "cost": tuple[_Cost, ...], "sampled_rounds": tuple[_Round, ...],
+        "dropped_before": Count,
+        "schema_version": int | None,  # required: None (absent) is refused by name in _batch
+    }, wire_defaults={"schema_version": None})
 
 
 def _stat(s: _Stat) -> Stat:
@@ -228,20 +292,7 @@ def _stat(s: _Stat) -> Stat:
 
 
 _BINS = tuple(range(k + 1) for k in range(MAX_DRAFT_LEN + 1))  # hist bin indices per k
-_fields_of = msgspec.structs.asdict
-
-
-class _Acceptance(Struct, frozen=True, gc=False):
-    target_version: str
-    draft_version: str
-    request_type: str
-    context_bucket: str
-    k: DraftLen
-    rows: Tally
-    drafted: Tally
-    accepted: Tally
-    emitted: Tally
-    hist: tuple[Tally, ...]
+_fields_of: Callable[[Any], dict[str, Any]] = msgspec.structs.asdict  # a wire struct's fields, in order
 
 
 def _acceptance(a: _Acceptance) -> AcceptanceWindow:
@@ -265,27 +316,9 @@ def _acceptance(a: _Acceptance) -> AcceptanceWindow:
         _label(dv, "draft_version")
         _label(rt, "request_type")
         _label(cb, "context_bucket")
-    w = _new(AcceptanceWindow)  # _build inline (tens of windows per batch): the same field names, asserted below
+    w = _new(AcceptanceWindow)  # _build inline (tens of windows per batch): the struct has the record's fields
     _set(w, "__dict__", _fields_of(a))
     return w
-
-
-class _Cost(Struct, frozen=True, gc=False):
-    target_version: str
-    draft_version: str
-    batch_bucket: BatchBucket
-    context_bucket: str
-    max_k: DraftLen
-    rounds: Annotated[int, Meta(ge=1, le=MAX_TALLY)]  # a cost window without rounds is no window
-    tokens_verified: Tally
-    emitted: Tally
-    batch_rows: Tally
-    draft_s: _Stat
-    verify_s: _Stat
-    other_s: _Stat
-    latency_p50: Seconds
-    latency_p95: Seconds
-    latency_p99: Seconds
 
 
 def _cost(c: _Cost) -> CostWindow:
@@ -308,29 +341,6 @@ def _cost(c: _Cost) -> CostWindow:
         "other_s": _stat(c.other_s), "latency_p50": c.latency_p50, "latency_p95": c.latency_p95,
         "latency_p99": c.latency_p99,
     })
-
-
-class _Row(Struct, frozen=True, gc=False):
-    request_type: str
-    context_len: Tally
-    k: DraftLen
-    accepted: Tally
-    emitted: Tally
-
-
-class _Round(Struct, frozen=True, gc=False):
-    round_index: Count
-    batch_size: Annotated[int, Meta(ge=1)]
-    max_k: DraftLen
-    tokens_verified: Tally
-    draft_s: Seconds
-    verify_s: Seconds
-    other_s: Seconds
-    target_version: str
-    draft_version: str
-    rows: tuple[_Row, ...]
-    timestamp: Seconds = 0.0
-    prefill_s: Seconds = 0.0  # absent from engines that predate it
 
 
 def _round_rules(r: _Round) -> None:
@@ -368,18 +378,6 @@ def _round(r: _Round) -> RoundRecord:
     })
 
 
-class _Batch(Struct, frozen=True, gc=False):
-    engine_id: str
-    seq: Count
-    window_start: Seconds
-    window_end: Seconds
-    acceptance: tuple[_Acceptance, ...] = ()
-    cost: tuple[_Cost, ...] = ()
-    sampled_rounds: tuple[_Round, ...] = ()
-    dropped_before: Count = 0
-    schema_version: int | None = None  # required; None (absent) is refused by name below
-
-
 def _batch(b: _Batch) -> WindowBatch:
     _check_schema_version(b.schema_version)
     if b.window_end < b.window_start:
@@ -393,12 +391,6 @@ def _batch(b: _Batch) -> WindowBatch:
 def _check_schema_version(sv: object) -> None:
     if type(sv) is not int or sv != SCHEMA_VERSION:  # True == 1 and 1.0 == 1 in Python; neither is a version
         rule_broken("unknown_schema_version", f"schema_version={sv!r}, this build reads {SCHEMA_VERSION}")
-
-
-for _record, _wire in ((Stat, _Stat), (AcceptanceWindow, _Acceptance), (CostWindow, _Cost), (RowRecord, _Row),
-                       (RoundRecord, _Round), (WindowBatch, _Batch)):  # each wire definition mirrors its record
-    assert _wire.__struct_fields__ == tuple(f.name for f in dataclasses.fields(_record)), _record.__name__
-    assert not hasattr(_record, "__post_init__"), f"{_record.__name__} gained a __post_init__: build it normally"
 
 
 # --------------------------------------------------------------------------------------------- errors

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine import model as M
 from engine.model import (
     MODEL_PRESETS,
     AttentionGroup,
-    Linear,
     Transformer,
     apply_rope,
     attention_groups,
@@ -69,107 +67,6 @@ def test_one_token_context_equals_the_ragged_context_for_one_token() -> None:
             assert torch.equal(getattr(fast, name), getattr(slow, name)), name
         assert (fast.attend_len, fast.padded_shape, fast.real) == (slow.attend_len, slow.padded_shape, slow.real)
     assert cache.lengths.tolist() == [6, 2, 4, 6]  # building a context changes no length
-
-
-def test_kernel_crossover_is_the_first_token_count_where_onednn_wins(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not M._onednn_linear_available():
-        pytest.skip("this torch build has no oneDNN linear")
-    calls: list[str] = []
-
-    def fake_median(fn):  # type: ignore[no-untyped-def]
-        # Identify the kernel by its name and the token count by its default argument; oneDNN wins from 4 tokens.
-        tokens = fn.__defaults__[0].shape[0]
-        calls.append(fn.__name__)
-        return (1.0 if tokens < 4 else 0.5) if fn.__name__ == "onednn" else 0.75
-
-    monkeypatch.setattr(M, "_median_seconds", fake_median)
-    monkeypatch.setattr(M, "KERNEL_CROSSOVER", {})
-    lin = Linear(24, 40, bias=False).eval()
-    lin.pack()
-    assert lin._onednn_from == 4
-    # Alternating rounds at each probe, and the probing stops at the crossover.
-    assert calls.count("onednn") == M.KERNEL_TIMING_ROUNDS * (M.CROSSOVER_PROBES.index(4) + 1)
-    assert calls[:2] == ["onednn", "blas"]
-
-    monkeypatch.setattr(M, "KERNEL_CROSSOVER", {})
-    monkeypatch.setattr(M, "_median_seconds", lambda fn: 1.0 if fn.__name__ == "onednn" else 0.5)
-    never = Linear(24, 40, bias=False).eval()
-    never.pack()
-    assert never._onednn_from == M.NEVER
-
-
-def test_kernels_are_timed_on_cold_weights_covering_the_models_footprint(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A forward reads each weight once after the rest of the model: the timing cycles through as many distinct
-    weights as the model's bytes hold (capped), so a large model's kernels are timed from DRAM, not from cache."""
-    if not M._onednn_linear_available():
-        pytest.skip("this torch build has no oneDNN linear")
-    onednn = torch.ops.mkldnn._linear_pointwise
-    read: set[int] = set()
-
-    def spy(x, w, *args):  # type: ignore[no-untyped-def]
-        read.add(id(w))  # packed oneDNN weights have no storage pointer; each copy is its own tensor
-        return onednn(x, w, *args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
-    monkeypatch.setattr(M, "KERNEL_CROSSOVER", {})
-    lin = Linear(24, 40, bias=False).eval()
-    weight_bytes = 24 * 40 * 4
-    lin.pack(footprint_bytes=5 * weight_bytes - 1)  # rounds up: five copies
-    assert len(read) == 5
-    assert [key[-1] for key in M.KERNEL_CROSSOVER] == [5]  # the choice is cached per number of copies
-
-    read.clear()
-    Linear(24, 40, bias=False).eval().pack(footprint_bytes=10**12)
-    assert len(read) == M.MAX_TIMING_COPIES
-    read.clear()
-    Linear(24, 40, bias=False).eval().pack()  # no footprint: the weight itself, hot
-    assert len(read) == 1
-
-
-def test_blas_reads_a_transposed_copy_kept_only_where_blas_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not M._onednn_linear_available():
-        pytest.skip("this torch build has no oneDNN linear")
-    torch.manual_seed(5)
-    monkeypatch.setattr(M, "KERNEL_CROSSOVER", {})
-    monkeypatch.setattr(M, "_median_seconds", lambda fn: 1.0 if fn.__name__ == "onednn" else 0.5)
-    blas = Linear(32, 48, bias=True).eval()
-    blas.pack()
-    assert blas._wt is not None and blas._wt.shape == (32, 48) and blas._wt.is_contiguous()
-    with torch.no_grad():
-        for shape in ((1, 32), (3, 32), (2, 5, 32)):
-            x = torch.randn(shape)
-            assert torch.allclose(blas(x), F.linear(x, blas.weight, blas.bias), atol=1e-5)
-
-    monkeypatch.setattr(M, "KERNEL_CROSSOVER", {})
-    monkeypatch.setattr(M, "_median_seconds", lambda fn: 0.5 if fn.__name__ == "onednn" else 1.0)
-    always = Linear(32, 48, bias=False).eval()
-    always.pack()
-    assert always._onednn_from == 1 and always._wt is None  # oneDNN takes every input: no copy is kept
-
-
-@pytest.mark.parametrize("crossover", [1, 3, M.NEVER])
-def test_inputs_below_the_crossover_take_blas_and_both_kernels_agree(
-    crossover: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if not M._onednn_linear_available():
-        pytest.skip("this torch build has no oneDNN linear")
-    torch.manual_seed(4)
-    lin = Linear(32, 48, bias=False).eval()
-    lin.pack()
-    lin._onednn_from = crossover
-    onednn = torch.ops.mkldnn._linear_pointwise
-    seen: list[int] = []
-
-    def spy(x, *args):  # type: ignore[no-untyped-def]
-        seen.append(x.shape[0])
-        return onednn(x, *args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
-    with torch.no_grad():
-        for tokens in (1, 2, 3, 9):
-            x = torch.randn(tokens, 32)
-            assert torch.allclose(lin(x), F.linear(x, lin.weight), atol=1e-5)
-    assert seen == [t for t in (1, 2, 3, 9) if t >= crossover]
 
 
 def test_attention_groups_are_runs_of_consecutive_cache_rows_with_equal_token_count() -> None:
