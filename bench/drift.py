@@ -4,9 +4,10 @@ Run: ``spectune bench drift [--quick] [--no-engine] [--calibration bench/results
 Writes ``bench/results/drift.json`` and a PNG beside it. ``--quick`` is a smaller plan (under about two
 minutes); the full run is what is committed.
 
-**Simulator** (``simulator``): the calibrated simulator (:mod:`bench.simulator`, profile xl) serves one cell —
-batch 16, short context, the balanced mix (code 0.4, prose 0.4, structured 0.2), target-v1 — with each request
-type at its oracle k (the converged table). Windows are built by :func:`bench.simulator.simulate`, i.e. by
+**Simulator** (``simulator``): the calibrated simulator (:mod:`controller.offline.simulator`, profile xl) serves one
+cell — batch 16, short context, the balanced mix (code 0.4, prose 0.4, structured 0.2), target-v1 — with each
+request type at its oracle k (the converged table). Windows are built by
+:func:`controller.offline.simulator.simulate`, i.e. by
 ``telemetry.aggregate`` from round records, and fed to :class:`~controller.service.alerts.AlertManager` (the
 sidecar's code: its buckets, cool-down, young-bucket and small-shift rules) exactly as the sidecar's
 ``_watch`` does, one :class:`~telemetry.records.WindowBatch` per window.
@@ -47,7 +48,6 @@ machine) and ``seconds``; the simulator's are functions of the calibration and t
 from __future__ import annotations
 
 import argparse
-import copy
 import itertools
 import statistics
 import time
@@ -61,15 +61,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from bench._common import write_results
-from bench.simulator import (
+from controller.offline.simulator import (
     BASE_VERSION,
     DRAFT_VERSION,
     WINDOW_S,
     Calibration,
     WindowSpec,
-    _cond,
-    _pmf_from_cond,
+    cond_from_pmf,
     expected_round,
+    pmf_from_cond,
     simulate,
     to_jsonable,
 )
@@ -113,7 +113,9 @@ CANDIDATES: dict[str, Candidate] = {
     "hddm_w": Candidate(_HDDM_W, _HDDM_W, COST_MONITOR.detector),
 }
 DEFAULT = "adwin"  # the sidecar's default: the AlertConfig() monitors
-# The issue's targets (evaluate() says which are met).
+# What a detector must reach to be the sidecar's default (evaluate() says which are met): at drops of 0.10 or more
+# and the schema drift a median delay of at most 300 rounds and none missed; at most one false alarm per 10^6
+# stationary rounds; goodput back to 90% of the new oracle a median of at most 300 rounds after the alert.
 TARGETS = {
     "median_delay_rounds_at_ge_0.10": 300,
     "missed_at_ge_0.10": 0,
@@ -156,41 +158,31 @@ def with_drop(cal: Calibration, version: str, rtype: str, context: str, k: int, 
     The per-position conditional acceptance is lowered by one constant c (clipped to [0, 1]), found by
     bisection; every k of the bucket moves with it, as a worse-matched draft would.
     """
-    key = (version, rtype, cal._ctx(context))
-    base = cal._pmf[key]  # [K+1, K+1]
-    cond = _cond(base)  # [K]
+    base = cal.acceptance(version, rtype, context)  # [K+1, K+1]
+    cond = cond_from_pmf(base)  # [K]
     target = rate_at(base[k, : k + 1], k) - drop
     if target <= 0:
         raise ValueError(f"a drop of {drop} leaves no acceptance for {rtype} at k={k}")
     lo, hi = 0.0, 1.0
     for _ in range(60):
         c = (lo + hi) / 2
-        if rate_at(_pmf_from_cond(np.clip(cond - c, 0.0, 1.0), cal.K)[k, : k + 1], k) > target:
+        if rate_at(pmf_from_cond(np.clip(cond - c, 0.0, 1.0), cal.K)[k, : k + 1], k) > target:
             lo = c
         else:
             hi = c
-    out = copy.copy(cal)
-    out._pmf = dict(cal._pmf)
-    out._pmf[key] = _pmf_from_cond(np.clip(cond - (lo + hi) / 2, 0.0, 1.0), cal.K)
-    return out
+    return cal.with_acceptance(version, rtype, context,
+                               pmf_from_cond(np.clip(cond - (lo + hi) / 2, 0.0, 1.0), cal.K))
 
 
 def with_acceptance_of(cal: Calibration, version: str, rtype: str, context: str, source: str) -> Calibration:
     """A copy of ``cal`` whose (version, type, context) acceptance is ``source`` version's: the silent drift of
     the demo (structured prompts switch to the schema the updated target was trained on; no version changes)."""
-    out = copy.copy(cal)
-    out._pmf = dict(cal._pmf)
-    ctx = cal._ctx(context)
-    out._pmf[(version, rtype, ctx)] = cal._pmf[(source, rtype, ctx)]
-    return out
+    return cal.with_acceptance(version, rtype, context, cal.acceptance(source, rtype, context))
 
 
 def with_cost(cal: Calibration, factor: float) -> Calibration:
     """A copy of ``cal`` whose every round costs ``factor`` times as much."""
-    out = copy.copy(cal)
-    out.cost, out.raw_cost = cal.cost * factor, cal.raw_cost * factor
-    out._step_cache = {}
-    return out
+    return cal.with_cost_factor(factor)
 
 
 def oracle_ks(cal: Calibration, spec: WindowSpec) -> tuple[tuple[int, ...], float]:
@@ -515,7 +507,8 @@ def run_simulator_section(cal: Calibration, plan: SimPlan, candidates: Sequence[
 
 
 def evaluate(sim: dict[str, Any], detector: str) -> dict[str, Any]:
-    """The issue's targets for ``detector`` (and goodput's reaction with the default one)."""
+    """Each of :data:`TARGETS` for ``detector``: its measured value and whether it is met (goodput's reaction is the
+    same for every detector: it is measured with the default one)."""
     big = [s for name, s in sim["scenarios"].items()
            if (name.startswith("acceptance_drop") and s["drop"] >= 0.10) or name == "structured_schema_drift"]
     med = [s["detectors"][detector]["detection_delay_rounds"]["median"] for s in big]

@@ -43,12 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import write_results
+from controller.offline.simulator import CONTEXT_PROMPT_BYTES
 from engine.profiles import PROFILE_NAMES, UNLABELLED_PROFILE
 
 RESULTS = Path(__file__).resolve().parent / "results"
 K_VALUES = tuple(range(0, 9))  # 0 = plain decoding
 REQUEST_TYPES = ("code", "prose", "structured")
-CONTEXTS = {"short": 128, "long": 1024}  # prompt bytes; the models train on windows of 256 and then 1024
+CONTEXTS = CONTEXT_PROMPT_BYTES  # prompt bytes per context class; the simulator reads the cells by the same classes
 MIXED_GRID = (0, 1, 2, 3, 4, 6, 8)  # ks searched per request type in mixed cells
 MIXED = "mixed"  # request_type of a mixed cell
 MIXED_SPAN = 128  # new tokens a mixed cell's rows decode before they restart from their prompts (context 129-265)
@@ -306,11 +307,11 @@ def coordinate_search(tok_s_of: Callable[[Sequence[KConfig], int], list[float]],
     """Per-type ks by coordinate search over ``MIXED_GRID``, from ``start``; returns the triple and the search log.
 
     For each request type in turn, every k of the grid is measured ``probe_reps`` times with the other types held.
-    The best of several noisy probes is biased upward (the winner's curse: with 3 probes per k at batch 64 the
-    search once kept a triple that measured 0.88x the uniform k it started from), so a probe winner replaces the
-    current triple only after the two are measured again side by side, ``confirm_reps`` times each, and the winner
-    is still faster: a fresh measurement of two configurations is unbiased. ``tok_s_of(configs, reps)`` measures
-    configurations interleaved and returns tok/s.
+    The best of several noisy probes is biased upward (the winner's curse: with 3 probes per k at batch 64, a search
+    that adopts probe winners unchecked can keep a triple that measures 0.88x the uniform k it started from), so a
+    probe winner replaces the current triple only after the two are measured again side by side, ``confirm_reps``
+    times each, and the winner is still faster: a fresh measurement of two configurations is unbiased.
+    ``tok_s_of(configs, reps)`` measures configurations interleaved and returns tok/s.
     """
     triple = dict(start)
     log: list[dict[str, Any]] = []
@@ -347,9 +348,9 @@ def _run_mixed(models: Any, sec: Section, bsz: int, seed: int) -> dict[str, Any]
     def tok_s_of(configs: Sequence[KConfig], reps: int) -> list[float]:
         return [_tok_s(m) for m in rows.measure(configs, reps, rng)]
 
-    # A move is confirmed with as many rounds as the final pair: with a probe's 3 a slow moment of the machine
-    # during the held triple's rounds once let a worse triple in (xl batch 16: held 981 tok/s, against 1,556 in
-    # its own probe just before).
+    # A move is confirmed with as many rounds as the final pair: with a probe's 3, a slow moment of the machine
+    # during the held triple's rounds is enough to let a worse triple in (xl batch 16: the held triple can measure
+    # 981 tok/s against 1,556 in its own probe just before).
     triple, search = coordinate_search(tok_s_of, dict.fromkeys(REQUEST_TYPES, best_uniform), sec.mixed_passes,
                                        probe_reps, final_reps)
     # Plain, the best uniform k and the best triple side by side, fresh: only figures measured together compare.

@@ -7,14 +7,15 @@ PNG (one panel per section) next to it. Full: 300k simulated rounds (about a min
 4.6 GB peak: every policy's engines keep their KV caches while the policies run interleaved); ``--quick``: 60k
 rounds, 12 windows, one replay (about a minute in all). The engine section runs on one thread.
 
-**Workload** (:data:`bench.simulator.PHASES`, recorded in each section's ``"workload"``): six phases, load
+**Workload** (:data:`controller.offline.simulator.PHASES`, recorded in each section's ``"workload"``): six phases, load
 staying put for 3-10 windows at a time — low load (batch 1/4, short contexts, balanced mix), load rising
 (4/16/64), long contexts arriving (1/16/64, 60% long), the mix turning code-heavy (1..64, 30% long), load falling
 (1/4), and the model update target-v1 -> target-v2 for the last 35% (1/4/16/64, 40% long); each phase visits
 its batch sizes in seeded shuffled cycles. Buckets differ for real reasons only: batch 1 is latency-bound
 (verify cost nearly flat in k) while batch 64 pays for every verified position; long contexts cost more per
 position and accept differently; request types accept differently. The numbers come from the calibration
-alone (see :mod:`bench.simulator`, whose ``gaps`` say what a partial calibration lacked and how it was filled).
+alone (see :mod:`controller.offline.simulator`, whose ``gaps`` say what a partial calibration lacked and how it was
+filled).
 The engine replays the same phases with fewer windows and shorter stretches (2-3 windows), batch <= 64 at short
 and <= 16 at long context (a CPU core needs ~20 s to prefill 64 long prompts), 128-byte short and 768-byte long
 prompts, 192 new tokens per request, sampling at T = 1.
@@ -36,7 +37,7 @@ prompts, 192 new tokens per request, sampling at T = 1.
   windows — analytic on the simulator, measured on the engine; median and worst over buckets, and how many
   never did), k_changes_per_1000 (bucket-rounds).
 - Simulator section, ``busy``: the oracle, static and goodput again with a busy neighbour slowing 30% of the
-  windows (seeded spells, :func:`bench.simulator.interference_factors`), and how far goodput's ratio to the
+  windows (seeded spells, :func:`controller.offline.simulator.interference_factors`), and how far goodput's ratio to the
   oracle falls against the quiet run (``goodput_ratio_fall``).
 - Per section: ``goodput_over`` (goodput's tok/s over each other policy's, the ratios the targets are stated in)
   and ``oracle_over_static``, the ceiling of any "x static" ratio on this workload and calibration (a calibration
@@ -60,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.simulator import (
+from controller.offline.simulator import (
     BASE_VERSION,
     NOMINAL_ROUNDS_PER_WINDOW,
     WINDOW_S,
@@ -290,8 +291,8 @@ BUSY_SHARE = 0.3  # share of windows in busy spells when the simulator adds a bu
 
 def busy_neighbour(cal: Calibration, specs: Sequence[WindowSpec], static_k: int, quiet: dict[str, Any],
                    seed: int) -> dict[str, Any]:
-    """The same workload with a busy neighbour (:func:`bench.simulator.interference_factors`): the oracle, static
-    and goodput again, and how much goodput's ratio to the oracle falls against the quiet run."""
+    """The same workload with a busy neighbour (:func:`controller.offline.simulator.interference_factors`): the
+    oracle, static and goodput again, and how much goodput's ratio to the oracle falls against the quiet run."""
     oracle = simulate(TablePolicy(oracle_table(cal, specs)), cal, specs, seed=seed, busy_share=BUSY_SHARE)
     out: dict[str, Any] = {"busy_share": BUSY_SHARE, "oracle_tok_s": oracle.tok_s, "policies": {}}
     for name, pol in (("static", StaticPolicy(k=static_k, k_max=K_MAX, seed=seed)),

@@ -220,10 +220,16 @@ def _bench(rest: list[str]) -> int:
     name = rest[0]
     if name not in BENCHES:
         raise CLIError(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHES)}")
+    # bench/ is not packaged: it lies beside controller/ in a source checkout (an editable install maps only the
+    # packaged folders, so the checkout's root goes on the path for the import).
+    root = str(Path(__file__).resolve().parent.parent)
+    if (Path(root) / "bench" / "__init__.py").is_file() and root not in sys.path:
+        sys.path.append(root)
     try:
         mod = importlib.import_module(f"bench.{name}")
     except ModuleNotFoundError as e:
-        raise CLIError(f"benchmark {name!r} is not in this checkout ({e})") from e
+        raise CLIError(f"benchmark {name!r} is not in this checkout ({e}); benchmarks run from a source checkout "
+                       "(git clone, then `pip install -e .`)") from e
     return int(mod.main(rest[1:]))
 
 

@@ -2,27 +2,29 @@
 
 What is replayed, and where each number comes from:
 
-- **workload**: every stored engine window becomes one simulator window (:class:`bench.simulator.WindowSpec`) per
-  (model versions, batch bucket, context bucket) it has cost windows for: its mean batch size
-  (``batch_rows / rounds``), its context bucket, and its request-type mix (rows per type of the acceptance windows
-  the same engine stored for the same window end, versions and context bucket; the slice's mix for that
-  (versions, context) when the window has none). Every replayed window lasts the same wall time, as the engine's
-  emitter aggregates over fixed time, so tokens/s of two tables compare on the same traffic.
+- **workload**: every stored engine window becomes one simulator window
+  (:class:`controller.offline.simulator.WindowSpec`) per (model versions, batch bucket, context bucket) it has
+  cost windows for: its mean batch size (``batch_rows / rounds``), its context bucket, and its request-type mix
+  (rows per type of the acceptance windows the same engine stored for the same window end, versions and context
+  bucket; the slice's mix for that (versions, context) when the window has none). Every replayed window lasts the
+  same wall time, as the engine's emitter aggregates over fixed time, so tokens/s of two tables compare on the
+  same traffic.
 - **acceptance**: per (versions, request type, context bucket) the per-position conditional acceptance pooled
   over every stored histogram (rejection sampling makes position i's acceptance independent of how many drafts
   follow it), turned back into ``P(accepted = a | k)``. A position never tried there borrows the request type's
   (any context), then the type's over every version, then every window's, then :data:`PRIOR_ALPHA`; positions
   beyond the deepest one measured repeat the last measured one.
-- **cost**: either a recorded sweep (an engine benchmark calibration file, :class:`bench.simulator.Calibration`,
-  one profile), each context bucket taking the calibration's context class of the same bucket (else the nearest
-  in log length); or :class:`policies._cost.CostModel` fitted on the stored cost windows (no forgetting, raw
-  seconds), which extrapolates to ks and batches never measured.
+- **cost**: either a recorded sweep (an engine benchmark calibration file,
+  :class:`controller.offline.simulator.Calibration`, one profile), each context bucket taking the calibration's
+  context class of the same bucket (else the nearest in log length); or :class:`policies._cost.CostModel` fitted
+  on the stored cost windows (no forgetting, raw seconds), which extrapolates to ks and batches never measured.
 
 Two scores: :meth:`Replay.score_table` is the simulator's analytic expectation of a packed round
-(:func:`bench.simulator.expected_round`) per window, deterministic (what optuna optimises); :meth:`Replay.simulate`
-runs the round-level simulator (:func:`bench.simulator.simulate`, seeded noise, sampled acceptance) with any
-policy, a table or a learning one. p99 per-token latency is the 99th percentile, over the rows served, of round
-seconds over the tokens the row emitted (the cost windows' definition), from the same expected rounds.
+(:func:`controller.offline.simulator.expected_round`) per window, deterministic (what optuna optimises);
+:meth:`Replay.simulate` runs the round-level simulator (:func:`controller.offline.simulator.simulate`, seeded
+noise, sampled acceptance) with any policy, a table or a learning one. p99 per-token latency is the 99th
+percentile, over the rows served, of round seconds over the tokens the row emitted (the cost windows'
+definition), from the same expected rounds.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.simulator import Calibration, WindowSpec, _pmf_from_cond, expected_round, simulate
+from controller.offline.simulator import Calibration, WindowSpec, expected_round, pmf_from_cond, simulate
 from policies._cost import CostModel
 from policies.base import Decision, Policy, context_len_of
 from telemetry.errors import SpectuneError
@@ -248,7 +250,7 @@ def acceptance_pmfs(windows: Sequence[AcceptanceWindow], tokens: dict[Pair, str]
                 for i in range(K):  # never tried anywhere: repeat the position before it
                     if np.isnan(cond[i]):
                         cond[i] = cond[i - 1] if i > 0 else PRIOR_ALPHA
-                out[(v, t, cx)] = _pmf_from_cond(cond, K)
+                out[(v, t, cx)] = pmf_from_cond(cond, K)
     return out
 
 
@@ -358,6 +360,12 @@ class ReplayCalibration(Calibration):
         if key not in self._emitted:
             self._emitted[key] = super().emitted(version, context)
         return self._emitted[key]
+
+    def with_acceptance(self, version: str, rtype: str, context: str, pmf: np.ndarray) -> Calibration:
+        out = super().with_acceptance(version, rtype, context, pmf)
+        assert isinstance(out, ReplayCalibration)
+        out._emitted = {}  # emitted tokens follow acceptance: the copy computes its own
+        return out
 
     def bucket_label(self, context: str) -> str:
         return self._ctx(context)

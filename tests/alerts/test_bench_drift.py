@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bench import drift
-from bench.simulator import BASE_VERSION, Calibration, WindowSpec, expected_goodput
+from controller.offline.simulator import BASE_VERSION, Calibration, WindowSpec, expected_goodput
 
 FIXTURE = Path(__file__).parents[1] / "policies" / "fixture_engine.json"
 TINY = drift.SimPlan(stationary_rounds=3000, stationary_seeds=1, seeds_per_scenario=2, pre_rounds=(1500, 1600),

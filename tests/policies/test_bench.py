@@ -18,7 +18,7 @@ from bench.policies import (
     schedule_from_best,
     target_of,
 )
-from bench.simulator import Calibration, SimResult, WindowSpec, workload
+from controller.offline.simulator import Calibration, SimResult, WindowSpec, workload
 from policies import GoodputPolicy, StaticPolicy
 
 FIXTURE = Path(__file__).with_name("fixture_engine.json")

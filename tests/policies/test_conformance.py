@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.simulator import Calibration, buckets_of, simulate, workload
+from controller.offline.simulator import Calibration, buckets_of, simulate, workload
 from policies import REGISTRY, DecisionKind, Policy
 from telemetry.records import AcceptanceWindow, Bucket, CostWindow, RecordError, Stat
 

@@ -7,7 +7,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.simulator import Calibration, CalibrationError, expected_goodput, simulate, workload
+from controller.offline.simulator import (
+    Calibration,
+    CalibrationError,
+    cond_from_pmf,
+    expected_goodput,
+    pmf_from_cond,
+    simulate,
+    workload,
+)
 from policies import StaticPolicy
 
 FIXTURE = Path(__file__).with_name("fixture_engine.json")
@@ -27,6 +35,21 @@ def test_calibration_reads_fixture() -> None:
     assert all(np.diff(v) > 0)
     with pytest.raises(CalibrationError):
         Calibration(FIXTURE.with_name("missing.json"))
+
+
+def test_acceptance_round_trips_and_what_if_copies_leave_the_original_alone() -> None:
+    cal = Calibration(FIXTURE)
+    p = cal.acceptance("target-v1", "code", "short")  # [K+1, K+1]
+    assert np.allclose(pmf_from_cond(cond_from_pmf(p), cal.K), p)
+    # hand-built: alpha 0.5 at every position gives accepted = 0, 1, 2 with 1/2, 1/4, 1/4 at k = 2
+    assert np.allclose(pmf_from_cond(np.full(3, 0.5), 3)[2, :3], [0.5, 0.25, 0.25])
+    worse = cal.with_acceptance("target-v1", "code", "short", pmf_from_cond(cond_from_pmf(p) * 0.5, cal.K))
+    assert worse.pmf("target-v1", "code", "short", 4)[0] > cal.pmf("target-v1", "code", "short", 4)[0]
+    assert np.array_equal(cal.acceptance("target-v1", "code", "short"), p)
+    slow = cal.with_cost_factor(2.0)
+    assert slow.round_s(16, "short") == pytest.approx(2.0 * cal.round_s(16, "short"))
+    with pytest.raises(ValueError, match="K \\+ 1"):
+        cal.with_acceptance("target-v1", "code", "short", np.ones((2, 2)))
 
 
 def test_simulation_is_seeded_and_honest() -> None:

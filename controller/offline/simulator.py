@@ -33,6 +33,7 @@ as a policy table, per window). k above the calibration's largest measured k is 
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,9 @@ class WindowSpec:
 
 
 CONTEXT_CLASSES = ("short", "long")  # the engine benchmark's context classes, in order of length
+# Prompt bytes of each context class, as the engine benchmark measures them; the models train on windows of 256
+# and then 1024. An unmeasured class is bucketed at its prompt length plus what the nearest measured one generated.
+CONTEXT_PROMPT_BYTES = {"short": 128, "long": 1024}
 SMOOTHING = ("linear", "none")
 
 
@@ -134,18 +138,18 @@ class Calibration:
         self._pmf: dict[tuple[str, str, str], np.ndarray] = {}  # (version, type, ctx) -> [K+1, K+1] pmf rows
         for t in self.types:
             for cx in self.contexts:
-                self._pmf[(BASE_VERSION, t, cx)] = _pmf_from_cond(_cond(hist[t][cx]), self.K)
+                self._pmf[(BASE_VERSION, t, cx)] = pmf_from_cond(cond_from_pmf(hist[t][cx]), self.K)
         for ver, by_type in data.get("version_acceptance", {}).items():
             for t, hs in by_type.items():
                 h2 = np.zeros((self.K + 1, self.K + 1))
                 for k, h in hs.items():
                     h2[int(k), : len(h)] += h
-                short = _pmf_from_cond(_cond(h2), self.K)
+                short = pmf_from_cond(cond_from_pmf(h2), self.K)
                 for cx in self.contexts:
-                    ratio = _cond(self._pmf[(BASE_VERSION, t, cx)]) / np.maximum(
-                        _cond(self._pmf[(BASE_VERSION, t, self.contexts[0])]), 1e-6)
-                    self._pmf[(ver, t, cx)] = short if cx == self.contexts[0] else _pmf_from_cond(
-                        np.clip(_cond(short) * ratio, 0.0, 1.0), self.K)
+                    ratio = cond_from_pmf(self._pmf[(BASE_VERSION, t, cx)]) / np.maximum(
+                        cond_from_pmf(self._pmf[(BASE_VERSION, t, self.contexts[0])]), 1e-6)
+                    self._pmf[(ver, t, cx)] = short if cx == self.contexts[0] else pmf_from_cond(
+                        np.clip(cond_from_pmf(short) * ratio, 0.0, 1.0), self.K)
         self.versions = sorted({v for v, _, _ in self._pmf})
         self._step_cache: dict[tuple[int, str], float] = {}
         self._alias = {cx: cx for cx in self.measured_contexts}
@@ -177,6 +181,26 @@ class Calibration:
     def pmf(self, version: str, rtype: str, context: str, k: int) -> np.ndarray:
         """``[k + 1]`` P(accepted = a) for a row drafting k tokens."""
         return self._pmf[(version, rtype, self._ctx(context))][k, : k + 1]
+
+    def acceptance(self, version: str, rtype: str, context: str) -> np.ndarray:
+        """``[K + 1, K + 1]`` P(accepted = a | k): row k for a row drafting k tokens (zero beyond a = k)."""
+        return self._pmf[(version, rtype, self._ctx(context))]
+
+    def with_acceptance(self, version: str, rtype: str, context: str, pmf: np.ndarray) -> Calibration:
+        """A copy whose (version, type, context) acceptance is ``pmf`` ``[K + 1, K + 1]`` (what-if calibrations:
+        a worse-matched draft, a silent drift); everything else is shared with this one."""
+        if pmf.shape != (self.K + 1, self.K + 1):
+            raise ValueError(f"pmf must be [K + 1, K + 1] = {(self.K + 1, self.K + 1)}, got {pmf.shape}")
+        out = copy.copy(self)
+        out._pmf = {**self._pmf, (version, rtype, self._ctx(context)): pmf}
+        return out
+
+    def with_cost_factor(self, factor: float) -> Calibration:
+        """A copy whose every round costs ``factor`` times as much (a slower machine, a busy neighbour)."""
+        out = copy.copy(self)
+        out.cost, out.raw_cost = self.cost * factor, self.raw_cost * factor
+        out._step_cache = {}
+        return out
 
     def emitted(self, version: str, context: str) -> np.ndarray:
         """``[T, K + 1]`` expected emitted tokens per row for each request type and k."""
@@ -238,10 +262,8 @@ def _context_order(cx: str) -> int:
 
 def _unmeasured_context_len(cx: str, near: str, near_len: int) -> int:
     """Bucketing length of an unmeasured class: its prompt length plus what ``near`` generated beyond its prompt."""
-    from bench.engine import CONTEXTS  # prompt bytes per class (imports nothing heavy)
-
-    if cx in CONTEXTS and near in CONTEXTS:
-        return CONTEXTS[cx] + max(0, near_len - CONTEXTS[near])
+    if cx in CONTEXT_PROMPT_BYTES and near in CONTEXT_PROMPT_BYTES:
+        return CONTEXT_PROMPT_BYTES[cx] + max(0, near_len - CONTEXT_PROMPT_BYTES[near])
     return near_len
 
 
@@ -273,7 +295,7 @@ def _line(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.maximum(icpt + slope * x, 0.0)
 
 
-def _cond(p: np.ndarray) -> np.ndarray:
+def cond_from_pmf(p: np.ndarray) -> np.ndarray:
     """``[K]`` per-position conditional acceptance pooled over every k of ``p`` ``[K+1, K+1]``.
 
     Row k of ``p`` is a histogram (counts: rows weigh by their number) or a pmf over accepted = 0..k.
@@ -291,7 +313,17 @@ def _cond(p: np.ndarray) -> np.ndarray:
     return c
 
 
-def _pmf_from_cond(cond: np.ndarray, K: int) -> np.ndarray:
+def pmf_from_cond(cond: np.ndarray, K: int) -> np.ndarray:
+    """``[K+1, K+1]`` P(accepted = a | k): row k turns per-position conditional acceptance into a pmf over 0..k.
+
+    Args:
+        cond: ``[K]`` P(draft position i accepted | every position before it accepted); a shorter array is
+            tiled to K.
+        K: largest draft length.
+
+    Returns:
+        Row k holds P(accepted = a) for a = 0..k (zero beyond k): a accepted and the next one rejected, or all k kept.
+    """
     p = np.zeros((K + 1, K + 1))
     surv = np.concatenate([[1.0], np.cumprod(np.resize(cond, K))])
     for k in range(K + 1):
@@ -319,6 +351,8 @@ MIXES = {  # request mixes of the workload (fractions of rows per type)
     "balanced": {"code": 0.4, "prose": 0.4, "structured": 0.2},
     "code_heavy": {"code": 0.7, "prose": 0.1, "structured": 0.2},
 }
+
+
 @dataclass(frozen=True, slots=True)
 class SimPhase:
     """A stretch of the simulated workload (its length a share of rounds, not seconds as in
