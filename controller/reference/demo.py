@@ -60,9 +60,10 @@ MIN_ROUNDS_FOR_BEST = 3  # rounds a (cell, k) needs before the hindsight table m
 # Rows of an acceptance bucket's old level before its drift is alerted, per k and across k (the sidecar's default
 # is 500). The demo lasts about a minute per run and the policy moves k while it learns, so a bucket at one k
 # rarely holds 500 rows before the silent drift, and on a machine slowed by another process the structured bucket
-# held fewer than 500 rows across k too (no alert in session 9's busy run). The guard against a young bucket that
-# matters is the confirmation's: a detection is tested against at least four 12-window stretches of the bucket's
-# history, windows that come as fast on a slowed machine (see controller.service.alerts.detectors.BucketMonitor).
+# holds fewer than 500 rows across k too (so, at the default, a slowed demo raises no alert). The guard against a
+# young bucket that matters is the confirmation's: a detection is tested against at least four 12-window stretches
+# of the bucket's history, windows that come as fast on a slowed machine (see
+# controller.service.alerts.detectors.BucketMonitor).
 DEMO_MIN_BEFORE = 100
 
 

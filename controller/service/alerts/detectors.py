@@ -23,9 +23,9 @@ assumes. With ``delta=1e-3, clock=16`` on the i.i.d. model at alpha 0.8, k 4 (se
 stationary rows; a drop of alpha by 0.10 caught after a median of ~255 rows (p90 ~335), by 0.20 after ~100, by
 0.05 after ~680. ``clock=16`` checks every 16 rows: a quarter of the cost of ``clock=1`` for ~30 rows of delay.
 A longer run through :class:`~controller.service.alerts.manager.AlertManager` (10^6 windows of 8 rows, 8x10^6
-rows, seed 11) raised 1 alarm: about 1 per 10^6 windows of 8 rows, at the issue's target, and proportionally more
-per window for denser windows. ``delta=1e-4`` trades ~50 more rows of delay for fewer; ``spectune bench drift``
-is where to settle it on the real mix.
+rows, seed 11) raised 1 alarm: about 1 per 10^6 windows of 8 rows, at the limit ``spectune bench drift`` sets
+(at most 1 false alarm per 10^6 rounds), and proportionally more per window for denser windows. ``delta=1e-4``
+trades ~50 more rows of delay for fewer; ``spectune bench drift`` is where to settle it on the real mix.
 
 Those figures are for i.i.d. rows. An engine's rows come in requests that each keep their own acceptance, so the
 manager's acceptance monitors confirm every detection across windows before it is raised (:class:`BucketMonitor`,
