@@ -158,6 +158,33 @@ class AcceptanceModel:
             return a / (a + b)
         return rng.beta(a, b)
 
+    def conds(self, vd: Versions, types: list[str], ctx: str, rng: np.random.Generator | None) -> np.ndarray:
+        """``[T, K]`` :meth:`cond` of each of ``types`` at once (the same values, and the same draws from ``rng``:
+        a Generator fills an array of Beta draws in the order of consecutive calls)."""
+        T = len(types)
+        zeros = np.zeros(self.K)
+        prev = self._previous(vd)
+        base = np.full((T, self.K), self.prior_mean)  # [T, K] what each type curve shrinks toward
+        if prev is not None:
+            for i, t in enumerate(types):
+                if t in self._by_versions[prev].by_type:
+                    base[i] = self.type_mean(prev, t, 1)
+        vc = self._by_versions.get(vd)
+        glob_s, glob_n = (vc.glob.s, vc.glob.n) if vc is not None else (zeros, zeros)
+        mean_glob = (glob_s + self.version_strength * base) / (glob_n + self.version_strength)  # [T, K]
+        by_type = [vc.by_type.get(t) if vc is not None else None for t in types]
+        t_s = np.stack([c.s if c is not None else zeros for c in by_type])  # [T, K]
+        t_n = np.stack([c.n if c is not None else zeros for c in by_type])  # [T, K]
+        m = np.clip((t_s + self.type_strength * mean_glob) / (t_n + self.type_strength), 1e-3, 1 - 1e-3)
+        by_bucket = [vc.by_bucket.get((t, ctx)) if vc is not None else None for t in types]
+        c_s = np.stack([c.s if c is not None else zeros for c in by_bucket])  # [T, K]
+        c_n = np.stack([c.n if c is not None else zeros for c in by_bucket])  # [T, K]
+        a = c_s + self.bucket_strength * m
+        b = (c_n - c_s) + self.bucket_strength * (1.0 - m)
+        if rng is None:
+            return np.asarray(a / (a + b))
+        return np.asarray(rng.beta(a, b))
+
     def mix(self, vd: Versions, ctx: str) -> dict[str, float]:
         """Recent rows per request type for (versions, context bucket)."""
         vc = self._by_versions.get(vd)

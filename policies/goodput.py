@@ -231,7 +231,7 @@ class GoodputPolicy(Policy):
                   rng: np.random.Generator | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Joint combos ``[C, T]``, their goodput ``[C]`` and the shared-k goodput ``[K + 1]``."""
         vd: Versions = (bucket.target_version, bucket.draft_version)
-        cond = np.stack([self._acc.cond(vd, t, bucket.context_bucket, rng) for t in types])  # [T, K]
+        cond = self._acc.conds(vd, types, bucket.context_bucket, rng)  # [T, K]
         emitted = emitted_by_k(cond[:, : self.k_max])  # [T, K+1]
         b = self._cost.mean_batch(bucket.batch_bucket, bucket.context_bucket)
         secs = self._cost.predict(bucket.batch_bucket, bucket.context_bucket, b, rng).sum(axis=1)  # [K+1]
