@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 from sklearn.linear_model import LinearRegression
 
-from policies.base import context_len_of
+from telemetry.records import context_length
 
 PRIOR_DRAFT_PER_K = 0.1  # before any fit: one draft step costs 10% of a verify forward (Leviathan's c)
 PARTS = ("draft", "verify", "other")
@@ -212,9 +212,9 @@ class CostModel:
         if not known:
             return True
         b = self.mean_batch(batch_bucket, ctx)
-        c = context_len_of(ctx)
+        c = context_length(ctx)
         return b > 1.01 * max(self.mean_batch(kb, kc) for kb, kc in known) or c > max(
-            context_len_of(kc) for _, kc in known)
+            context_length(kc) for _, kc in known)
 
     def mean_batch(self, batch_bucket: int, ctx: str) -> float:
         cell = self._cell(batch_bucket, ctx).values()
@@ -231,7 +231,7 @@ class CostModel:
         rounds = np.array([agg.rounds for _, agg in rows])  # [N]
         y = np.array([[agg.draft_s, agg.verify_s, agg.other_s] for _, agg in rows]) / rounds[:, None]  # [N, 3]
         b = np.array([agg.batch_rows for _, agg in rows]) / rounds
-        c = np.array([float(context_len_of(ctx)) for (_, ctx, _), _ in rows])
+        c = np.array([float(context_length(ctx)) for (_, ctx, _), _ in rows])
         k = np.array([float(kk) for (_, _, kk), _ in rows])
         d = np.array([agg.drafted for _, agg in rows]) / rounds
         feats = _features(b, c, k, d)
@@ -270,7 +270,7 @@ class CostModel:
 
         What a row drafting fewer tokens than its round's largest k saves, per token it does not draft.
         """
-        return float(self._marginal(float(context_len_of(ctx))).sum())
+        return float(self._marginal(float(context_length(ctx))).sum())
 
     def predict(self, batch_bucket: int, ctx: str, batch_size: float | None = None,
                 rng: np.random.Generator | None = None) -> np.ndarray:
@@ -283,7 +283,7 @@ class CostModel:
         if self._coef is None:
             return np.stack([PRIOR_DRAFT_PER_K * ks, np.ones_like(ks), np.zeros_like(ks)], axis=1)
         b = batch_size if batch_size is not None else self.mean_batch(batch_bucket, ctx)
-        c = float(context_len_of(ctx))
+        c = float(context_length(ctx))
         y = self._model(max(b, 1.0), c, ks)
         # The cell's own measurements: a scale on the shared shape, and the measured k themselves.
         obs = {kk: v for kk, v in self._cell(batch_bucket, ctx).items() if kk <= self.k_max and v.rounds > 0}

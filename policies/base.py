@@ -64,18 +64,6 @@ def cell_key(target: str, draft: str, batch_bucket: int | str, context_bucket: s
     return f"{target}|{draft}|{batch_bucket}|{context_bucket}"
 
 
-def context_len_of(label: str, default: int = 512) -> int:
-    """A representative context length for a context-bucket label (``"<=512"`` -> 512, ``">8192"`` -> 16384)."""
-    try:
-        if label.startswith("<="):
-            return max(1, int(label[2:]))
-        if label.startswith(">"):
-            return max(1, 2 * int(label[1:]))
-    except ValueError:
-        pass
-    return default
-
-
 class Policy(ABC):
     """Base class: decide k per bucket, learn from windows, snapshot to plain JSON-safe dicts.
 

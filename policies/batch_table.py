@@ -11,7 +11,7 @@ Source: ``vllm/v1/spec_decode/dynamic/utils.py`` (vllm-project/vllm PR #32374, D
 - a context length picks the first context range whose end is >= it (the last one beyond).
 
 The batch size of a bucket is its ``batch_bucket`` (the bucket's upper edge, as an engine pads to a CUDA-graph
-size); its context length is a representative of its context bucket (:func:`~policies.base.context_len_of`).
+size); its context length is a representative of its context bucket (:func:`~telemetry.records.context_length`).
 TensorRT-LLM's ``draft_len_schedule`` is another format with other rules: :mod:`policies.trtllm_schedule`.
 """
 
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
-from policies.base import Decision, DecisionKind, Policy, context_len_of
-from telemetry.records import Bucket
+from policies.base import Decision, DecisionKind, Policy
+from telemetry.records import Bucket, context_length
 
 CTX_INFINITY = 2**31 - 1  # as vLLM's _CTX_INFINITY: the last context range is open-ended
 DEFAULT_SCHEDULE = ((1, 4, 4), (5, 16, 2), (17, 64, 1), (65, 256, 0))  # a typical hand-set table
@@ -111,7 +111,7 @@ class BatchTablePolicy(Policy):
 
     def _decide(self, bucket: Bucket, explore: bool) -> Decision:
         bs = max(1, bucket.batch_bucket)
-        k = vllm_schedule_lookup(self.schedule, bs, context_len_of(bucket.context_bucket))
+        k = vllm_schedule_lookup(self.schedule, bs, context_length(bucket.context_bucket))
         return Decision(k=k, reason=f"vLLM schedule at batch {bs}", kind=DecisionKind.RULE)
 
     def _get_state(self) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from policies._acceptance import AcceptanceModel, Versions
 from policies._cost import CostModel
 from policies.analytic import batch_goodput, emitted_by_k
 from policies.base import Decision, DecisionKind, Policy, Window
-from telemetry.records import AcceptanceWindow, Bucket, CostWindow
+from telemetry.records import AcceptanceWindow, Bucket, Cell, CostWindow
 
 MIN_TYPE_WEIGHT = 0.02  # a type absent from the recent mix still gets a say (it is being asked about)
 MAX_REPROBE_DOUBLINGS = 4  # an off cell whose re-probes keep confirming "off" waits up to 16x probe_every
@@ -52,7 +52,6 @@ TRIM_FROM_ROUNDS = 4  # cost windows of at least this many rounds drop their slo
 # Kinds that serve something other than the incumbent, to measure it.
 EXPLORING_KINDS = frozenset({DecisionKind.EXPLORE, DecisionKind.PROBE, DecisionKind.PROBE_OFF, DecisionKind.REPROBE})
 
-CellKey = tuple[str, str, int, str]  # (target version, draft version, batch-size bucket, context bucket)
 
 
 @dataclass(slots=True)
@@ -176,10 +175,10 @@ class GoodputPolicy(Policy):
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every)
-        self._cells: dict[CellKey, _Cell] = {}
+        self._cells: dict[Cell, _Cell] = {}
         # cell -> (windows observed, the mean's best ks per type, expected goodput per shared k): every bucket of a
         # quiet cell asks for the same answer, so one evaluation serves them all until a window arrives
-        self._best: dict[CellKey, tuple[int, dict[str, int], dict[int, float]]] = {}
+        self._best: dict[Cell, tuple[int, dict[str, int], dict[int, float]]] = {}
         # What a cell serves: the first of these rules that answers (the last one always does).
         self._rules: tuple[Rule, ...] = (self._first, self._hold, self._probe_off, self._switch, self._explore,
                                          self._keep)
@@ -248,7 +247,7 @@ class GoodputPolicy(Policy):
 
     def _decide(self, bucket: Bucket, explore: bool) -> Decision:
         b = bucket
-        key: CellKey = (b.target_version, b.draft_version, b.batch_bucket, b.context_bucket)
+        key = b.cell
         mix = self._acc.mix((b.target_version, b.draft_version), b.context_bucket)
         total = sum(mix.values())
         types = sorted(set(mix) | {b.request_type})
@@ -435,7 +434,8 @@ class GoodputPolicy(Policy):
         self._cost.set_state(state["cost"])
         self._cells = {}
         for r in state["cells"]:
-            key = (str(r["target_version"]), str(r["draft_version"]), int(r["batch_bucket"]), str(r["context_bucket"]))
+            key = Cell(str(r["target_version"]), str(r["draft_version"]), int(r["batch_bucket"]),
+                       str(r["context_bucket"]))
             self._cells[key] = _Cell(
                 incumbent={str(t): int(k) for t, k in r["incumbent"].items()},
                 served={str(t): int(k) for t, k in r["served"].items()}, kind=DecisionKind(r["kind"]),

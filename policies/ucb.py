@@ -16,9 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.base import Decision, DecisionKind, Policy, Window
-from telemetry.records import Bucket, CostWindow
-
-CellKey = tuple[str, str, int, str]  # (target version, draft version, batch-size bucket, context bucket)
+from telemetry.records import Bucket, Cell, CostWindow
 
 
 @dataclass(frozen=True)
@@ -59,11 +57,11 @@ class UCBPolicy(Policy):
         if c < 0:
             raise ValueError(f"c must be >= 0, got {c}")
         self.c = c
-        self._cells: dict[CellKey, Arms] = {}
+        self._cells: dict[Cell, Arms] = {}
 
     def _decide(self, bucket: Bucket, explore: bool) -> Decision:
         b = bucket
-        cell = self._cells.get((b.target_version, b.draft_version, b.batch_bucket, b.context_bucket))
+        cell = self._cells.get(b.cell)
         if cell is None:
             # unknown cell: start exploring from the arm order (the same one for every unknown bucket)
             return Decision(k=0 if explore else 1, exploring=explore, reason="unknown cell: first arm",
@@ -92,7 +90,7 @@ class UCBPolicy(Policy):
         w = window
         if w.max_k > self.k_max:
             return
-        key = (w.target_version, w.draft_version, w.batch_bucket, w.context_bucket)
+        key = Cell(w.target_version, w.draft_version, w.batch_bucket, w.context_bucket)
         wall = w.draft_s.total + w.verify_s.total + w.other_s.total
         if wall <= 0:
             return
@@ -103,10 +101,10 @@ class UCBPolicy(Policy):
                           for (t, d, bb, c), a in sorted(self._cells.items())]}
 
     def _set_state(self, state: dict[str, Any]) -> None:
-        cells: dict[CellKey, Arms] = {}
+        cells: dict[Cell, Arms] = {}
         for t, d, bb, c, n, sums, best in state["cells"]:
             if len(n) != self.k_max + 1 or len(sums) != self.k_max + 1:
                 raise ValueError(f"cell {t}|{d}|{bb}|{c} has {len(n)} arms, this policy has {self.k_max + 1}")
-            cells[(str(t), str(d), int(bb), str(c))] = Arms(tuple(int(x) for x in n), tuple(float(x) for x in sums),
-                                                           float(best))
+            cells[Cell(str(t), str(d), int(bb), str(c))] = Arms(tuple(int(x) for x in n),
+                                                               tuple(float(x) for x in sums), float(best))
         self._cells = cells

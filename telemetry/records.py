@@ -26,6 +26,7 @@ Conventions (defined here, once):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from telemetry.errors import CountableError
 
@@ -79,6 +80,29 @@ class BucketConfig:
 DEFAULT_BUCKETS = BucketConfig()
 
 
+class Cell(NamedTuple):
+    """A cost cell: (versions, batch-size bucket, context bucket). Cost is learnt per cell, and the request types
+    of a cell share its batches, so a policy chooses their ks together."""
+
+    target_version: str
+    draft_version: str
+    batch_bucket: int
+    context_bucket: str
+
+
+def context_length(label: str, default: int = 512) -> int:
+    """A representative context length in tokens for a context-bucket label as :meth:`BucketConfig.context_bucket`
+    writes them (``"<=512"`` -> 512, ``">8192"`` -> 16384); ``default`` for a label of another grammar."""
+    try:
+        if label.startswith("<="):
+            return max(1, int(label[2:]))
+        if label.startswith(">"):
+            return max(1, 2 * int(label[1:]))
+    except ValueError:
+        pass
+    return default
+
+
 @dataclass(frozen=True)
 class Bucket:
     """What a decision is made for: (versions, request type, batch-size bucket, context bucket)."""
@@ -88,6 +112,11 @@ class Bucket:
     request_type: str
     batch_bucket: int
     context_bucket: str
+
+    @property
+    def cell(self) -> Cell:
+        """The bucket's cost cell."""
+        return Cell(self.target_version, self.draft_version, self.batch_bucket, self.context_bucket)
 
     def key(self) -> str:
         """``target|draft|request type|batch bucket|context bucket``; ``telemetry.wire.parse_bucket`` reads it."""
@@ -215,6 +244,11 @@ class CostWindow:
     latency_p50: float  # per-token latency (round wall seconds / tokens a row emitted), percentiles in window
     latency_p95: float
     latency_p99: float
+
+    @property
+    def cell(self) -> Cell:
+        """The cost cell these rounds ran in."""
+        return Cell(self.target_version, self.draft_version, self.batch_bucket, self.context_bucket)
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,17 @@ import numpy as np
 
 from controller.offline.simulator import Calibration, WindowSpec, expected_round, pmf_from_cond, simulate
 from policies._cost import CostModel
-from policies.base import Decision, Policy, context_len_of
+from policies.base import Decision, Policy
 from telemetry.errors import SpectuneError
 from telemetry.policy_table import lookup
-from telemetry.records import DEFAULT_BUCKETS, AcceptanceWindow, Bucket, CostWindow, PolicyTable
+from telemetry.records import (
+    DEFAULT_BUCKETS,
+    AcceptanceWindow,
+    Bucket,
+    CostWindow,
+    PolicyTable,
+    context_length,
+)
 from telemetry.store import StoredWindow
 from telemetry.wire import parse_bucket_key
 
@@ -292,7 +299,7 @@ class SweepCost(CostSource):
             cal = self._cal
             same = [c for c in cal.measured_contexts if DEFAULT_BUCKETS.context_bucket(cal.context_len[c]) == label]
             self._class[label] = same[0] if same else min(
-                cal.measured_contexts, key=lambda c: abs(math.log(cal.context_len[c] / context_len_of(label))))
+                cal.measured_contexts, key=lambda c: abs(math.log(cal.context_len[c] / context_length(label))))
             if not same:
                 self.notes = (*self.notes, f"context bucket {label!r} not in the sweep: cost of its nearest context "
                                            f"class {self._class[label]!r} ({cal.context_len[self._class[label]]} "
@@ -340,7 +347,7 @@ class ReplayCalibration(Calibration):
         self.types = list(types)
         self.K = K
         self.contexts = self.measured_contexts = list(contexts)
-        self.context_len = {c: context_len_of(c) for c in contexts}
+        self.context_len = {c: context_length(c) for c in contexts}
         self.batches = list(DEFAULT_BUCKETS.batch_edges)
         self.gaps = []  # the cost source's notes travel with the Replay
         self._pmf = pmfs
@@ -532,7 +539,7 @@ def build_replay(part: Slice, K: int, cost: CostSource | None, window_s: float) 
     else:
         assert isinstance(cost, SweepCost)
         load = workload_at_batches(part, types, tokens, cost.batch_sizes)
-    contexts = sorted({s.context for s in load.specs} | {a.context_bucket for a in acc}, key=context_len_of)
+    contexts = sorted({s.context for s in load.specs} | {a.context_bucket for a in acc}, key=context_length)
     source = cost if cost is not None else ModelCost([w.window for w in part.cost], K)
     for cx in contexts:  # resolves (and notes) how the source covers each context bucket
         source.round_s(1.0, cx)

@@ -1,6 +1,6 @@
-"""The cardinality attack of issue 14 (item 6): well-formed batches with 1,000 new request types, through real
-Redis into a sidecar on SQLite. Before the caps every type was tracked (one decision took 55.6 s in the probe)
-and every bucket was decided again on every publish."""
+"""A cardinality attack: well-formed batches with 1,000 new request types, through real Redis into a sidecar on
+SQLite. Without caps every type would be tracked (one decision took about a minute) and every bucket decided
+again on every publish."""
 
 from __future__ import annotations
 

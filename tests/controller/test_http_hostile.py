@@ -1,4 +1,4 @@
-"""The operator endpoint under hostile input and abusive clients (issue 14 item 4), over real sockets."""
+"""The operator endpoint under hostile input and abusive clients, over real sockets."""
 
 from __future__ import annotations
 
