@@ -1,9 +1,14 @@
 """Scale-out under a leader kill: three ``spectune sidecar`` processes share one consumer group, one lease.
 
-:func:`run_scaleout` starts the sidecars (``--lease-ms``) on the given Redis and PostgreSQL, feeds seeded
-synthetic window batches from one engine id while a monitor polls every sidecar's ``/health`` and the engines'
-policy key, ``kill -9``\\ s the leader half way through the feed, keeps feeding, and reports what happened. Used by
-``spectune bench faults`` (its ``scaleout`` scenario) and by ``tests/controller/test_lease.py``; it never asserts.
+:func:`run_scaleout` starts the sidecars on the given Redis and PostgreSQL, feeds seeded synthetic window batches
+from one engine id while a monitor polls every sidecar's ``/health`` and the engines' policy key, ``kill -9``\\ s
+the leader half way through the feed, keeps feeding, and reports what happened. Used by ``spectune bench faults``
+(its ``scaleout`` scenario) and by ``tests/controller/test_lease.py``; it never asserts.
+
+The sidecars run with the product's timing defaults (lease, claim idle time, publish period: no flag) unless a
+caller passes ``lease_ms`` / ``claim_idle_ms``; the waits below are derived from what they run with. With the
+default claim idle time (``ConsumerConfig.claim_min_idle_ms``, 30 s) the dead leader's pending entries are stored
+by a survivor only that long after the kill, so a run takes about that much longer than with a short one.
 
 Figures (a "window" is one engine's window batch, the unit that travels, as in the other fault scenarios):
 
@@ -46,9 +51,25 @@ HEALTH_TIMEOUT_S = 0.5
 MONITOR_EVERY_S = 0.05
 FEED_PHASE_S = 3.0  # each half of the feed (before and after the kill) is spread over this long
 ROUNDS_PER_WINDOW = 20
-CLAIM_IDLE_MS = 1000  # survivors claim the dead leader's pending entries after this long
-SETTLE_TIMEOUT_S = 15.0  # after the feed: every batch stored and learned by the new leader
+SETTLE_MARGIN_S = 15.0  # after the survivors' re-claim time: every batch stored and learned by the new leader
+FIRST_TABLE_PERIODS = 5  # the leader's first table is at the key within this many publish periods
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _defaults() -> tuple[int, int, float, float]:
+    """The sidecar's own defaults: (lease ms, claim idle ms, claim interval s, publish period s)."""
+    from controller.service.lease import LeaseConfig
+    from controller.service.sidecar import SidecarConfig
+    from telemetry.ingest import ConsumerConfig
+
+    cc = ConsumerConfig(consumer="defaults")
+    return LeaseConfig().lease_ms, cc.claim_min_idle_ms, cc.claim_interval_s, SidecarConfig().publish_every_s
+
+
+def _claim_interval_s(claim_idle_ms: int) -> float:
+    """How often a sidecar started with ``--claim-idle-ms`` looks for stale entries (as ``spectune sidecar``
+    derives it)."""
+    return min(5.0, claim_idle_ms / 2000)
 
 
 @dataclass
@@ -116,13 +137,13 @@ def _content_hash(t: dict[str, Any]) -> str:
     return hashlib.sha1(body.encode()).hexdigest()[:12]
 
 
-def _start(i: int, redis_url: str, db_url: str, prefix: str, lease_ms: int, seed: int, tmp: Path) -> _Proc:
+def _start(i: int, redis_url: str, db_url: str, prefix: str, seed: int, tmp: Path,
+           timing: list[str]) -> _Proc:
     name = f"scaleout-{i}"
     log, ready = tmp / f"{name}.log", tmp / f"{name}.ready"
     cmd = [sys.executable, "-m", "controller.cli", "sidecar", "--redis-url", redis_url, "--db-url", db_url,
-           "--prefix", prefix, "--lease-ms", str(lease_ms), "--http-port", "0", "--ready-file", str(ready),
-           "--consumer", name, "--claim-idle-ms", str(CLAIM_IDLE_MS), "--publish-every-s", "0.5",
-           "--no-alerts", "--seed", str(seed)]
+           "--prefix", prefix, "--http-port", "0", "--ready-file", str(ready), "--consumer", name, "--no-alerts",
+           "--seed", str(seed), *timing]
     with log.open("wb") as out:
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     return _Proc(name, popen, log, ready)
@@ -149,14 +170,16 @@ def _published(log: Path) -> list[int]:
     return out
 
 
-def run_scaleout(redis_url: str, db_url: str, *, lease_ms: int = 2000, windows: int = 200,
-                 seed: int = 0) -> dict[str, Any]:
+def run_scaleout(redis_url: str, db_url: str, *, lease_ms: int | None = None, claim_idle_ms: int | None = None,
+                 windows: int = 200, seed: int = 0) -> dict[str, Any]:
     """Three sidecars, one lease, a feed of ``windows`` batches, and a ``kill -9`` of the leader half way.
 
     Args:
         redis_url: a Redis the sidecars share (a fresh key prefix is used and removed afterwards).
         db_url: a PostgreSQL (or SQLite file) database of its own; migrated to head here.
-        lease_ms: the sidecars' ``--lease-ms``.
+        lease_ms: the sidecars' ``--lease-ms``; None: no flag, the product's default (``LeaseConfig``).
+        claim_idle_ms: the sidecars' ``--claim-idle-ms``; None: no flag, the product's default
+            (``ConsumerConfig``). The run waits that long for the dead leader's pending entries.
         windows: window batches the feeder sends (half before the kill, half after).
         seed: seed of the synthetic rounds and of the sidecars' policies.
 
@@ -172,12 +195,20 @@ def run_scaleout(redis_url: str, db_url: str, *, lease_ms: int = 2000, windows: 
     if windows < 2:
         raise ValueError(f"windows must be >= 2 (half are sent before the kill), got {windows}")
     t_start = time.monotonic()
+    d_lease, d_claim, d_interval, publish_s = _defaults()
+    timing = ([] if lease_ms is None else ["--lease-ms", str(lease_ms)]) + (
+        [] if claim_idle_ms is None else ["--claim-idle-ms", str(claim_idle_ms)])
+    lease_ms = d_lease if lease_ms is None else lease_ms
+    claim_interval_s = d_interval if claim_idle_ms is None else _claim_interval_s(claim_idle_ms)
+    claim_idle_ms = d_claim if claim_idle_ms is None else claim_idle_ms
+    settle_s = claim_idle_ms / 1000 + claim_interval_s + SETTLE_MARGIN_S
     prefix = f"spectune-scaleout-{uuid.uuid4().hex[:10]}"
     keys = RedisKeys(prefix)
     migrate.upgrade(db_url)
     r = redis.Redis.from_url(redis_url)
     procs: list[_Proc] = []
-    res: dict[str, Any] = {"lease_ms": lease_ms, "sidecars": SIDECARS, "seed": seed}
+    res: dict[str, Any] = {"lease_ms": lease_ms, "claim_idle_ms": claim_idle_ms, "publish_every_s": publish_s,
+                           "timing_flags": timing, "settle_timeout_s": settle_s, "sidecars": SIDECARS, "seed": seed}
     with tempfile.TemporaryDirectory(prefix="spectune-scaleout-") as td:
         tmp = Path(td)
         monitor = _Monitor(procs, keys.policy, r)
@@ -186,7 +217,7 @@ def run_scaleout(redis_url: str, db_url: str, *, lease_ms: int = 2000, windows: 
         emitter = Emitter(transport, EmitterConfig("scaleout-engine"), start=False)
         rounds = iter(synthetic_rounds(windows * ROUNDS_PER_WINDOW + ROUNDS_PER_WINDOW, seed=seed))
         try:
-            procs += [_start(i, redis_url, db_url, prefix, lease_ms, seed, tmp) for i in range(SIDECARS)]
+            procs += [_start(i, redis_url, db_url, prefix, seed, tmp, timing) for i in range(SIDECARS)]
             deadline = time.monotonic() + READY_TIMEOUT_S
             for p in procs:
                 while not p.ready.exists():
@@ -201,7 +232,8 @@ def run_scaleout(redis_url: str, db_url: str, *, lease_ms: int = 2000, windows: 
 
             first = windows // 2
             _feed(transport, emitter, rounds, first, FEED_PHASE_S)
-            _wait(lambda: any(v > 0 for _, v, _ in monitor.key_seen), 5.0)  # the leader published something
+            _wait(lambda: any(v > 0 for _, v, _ in monitor.key_seen),  # the leader published something
+                  max(5.0, FIRST_TABLE_PERIODS * publish_s))
             leaders = monitor.leaders_now()
             victim = next((p for p in procs if leaders and p.name == leaders[0]), None)
             res["leader_killed"] = victim.name if victim else None
@@ -235,7 +267,7 @@ def run_scaleout(redis_url: str, db_url: str, *, lease_ms: int = 2000, windows: 
                     h = monitor.health.get(new[0], {})
                     return int(h.get("windows_observed", -1)) >= rows_total[0]
 
-                res["settled"] = _wait(settled, SETTLE_TIMEOUT_S)
+                res["settled"] = _wait(settled, settle_s)
                 time.sleep(2 * MONITOR_EVERY_S)
                 stored = store.batch_count()
                 rounds_stored = sum(w.window.rounds for w in store.cost_windows())

@@ -1,4 +1,4 @@
-"""Fault suite (issue 14): the sidecar path under outages, kills and hostile input, on its own Redis and PostgreSQL.
+"""Fault suite: the sidecar path under outages, kills and hostile input, on its own Redis and PostgreSQL.
 
 Run: ``spectune bench faults [--quick] [--profile small|xl] [--out bench/results]`` (or ``python -m bench.faults``).
 Writes ``faults.json`` and ``faults.png`` (a timeline per scenario) under ``--out`` and prints a table.
@@ -9,6 +9,16 @@ a ``spectune sidecar`` process between them and, unless ``--no-engine``, one ref
 (``spectune engine``, ``--profile``) that decodes and ships windows through every scenario. It kills and restarts
 only what it started, by PID or by its own data folder, and removes everything on exit (exceptions, Ctrl-C and
 SIGTERM included). The shared servers on 6379 / 5432 are never touched.
+
+Settings. Every sidecar (the suite's, and the scale-out's three) runs with the product's defaults: it is given
+only the flags that say where to connect and how to be found (Redis and database URLs, prefix, port, ready file,
+consumer name), no timing flag. :class:`SidecarDefaults` reads those defaults from the config classes
+(``SidecarConfig.publish_every_s`` / ``publish_every_windows``, ``ConsumerConfig.claim_min_idle_ms`` /
+``claim_interval_s``, ``LeaseConfig.lease_ms``, ``HttpConfig``'s timeouts, ``RedisConfig``'s stream lengths);
+the waits and the targets that depend on them are derived from them, and all of it is in the JSON's ``config``
+block (``sidecar_defaults``, ``derived``; ``sidecar_cli_default_mismatch`` lists a flag whose default differs
+from its config class). In particular an entry a killed sidecar or a failed store write left pending is read again
+only after ``claim_min_idle_ms`` (30 s), so the suite waits that long plus a margin before it counts a window lost.
 
 Counting. Each scenario runs a **feeder**: a thread that XADDs well-formed window batches of seeded synthetic
 rounds, one engine id per scenario and sequence numbers 1, 2, 3, ..., at an engine's pace (one window per
@@ -24,32 +34,63 @@ subset; each starts from a running system, what an earlier one left down is star
   The kill is timed at a moment when the consumer group has no undelivered entry (``XINFO GROUPS`` lag 0, the
   feeder held): without persistence, entries Redis had acknowledged and nobody read yet die with it, which is
   Redis's durability setting, not the sidecar's. ``undelivered_at_kill`` says how many there were (0).
-- ``sidecar_kill``: SIGKILL the sidecar, start a new one (same consumer name, so it claims its own pending).
+- ``sidecar_kill``: SIGKILL the sidecar, start a new one (same consumer name, so it claims its own pending once
+  they have been idle ``claim_min_idle_ms``).
 - ``postgres_stop``: ``pg_ctl stop -m immediate``, ``pg_down_s`` of outage, ``pg_ctl start``.
 - ``fuzz``: ``fuzz_entries`` hostile stream entries: hypothesis draws valid batches (seeded synthetic rounds) and
   raw wire Structs (``st.from_type`` on :mod:`telemetry.wire`'s Structs), then a seeded mutator changes fields,
-  types, bytes, sizes and nesting. Every entry must be dead-lettered, stored or skipped as a duplicate.
+  types, bytes, sizes and nesting. Every entry must be dead-lettered, stored or skipped as a duplicate. Redis's
+  memory is sampled throughout (below).
 - ``http``: ``http_requests`` requests from ``http_clients`` concurrent clients against the operator endpoint,
-  hostile bodies included (5000-digit k, 5000-deep JSON, NUL in a bucket), with ``idle_connections`` held open.
-  The clients are one selector-driven thread in a process of their own (:func:`http_load`), ``http_clients``
-  connections in flight at all times, each request on a new connection: client threads inside the suite's process
-  would wait for its GIL behind the feeders and the observer, and that wait would be counted as the endpoint's.
-  Latency is from the connect to the last byte of the answer, as the client sees it.
-- ``forged_types``: ``forged_types`` well-formed windows, each with a new request type; the cardinality caps must
-  dead-letter the excess (counted per window, as the gate splits a batch), and the sidecar's RSS must stay within
-  2x its idle RSS.
+  hostile bodies included (5000-digit k, 5000-deep JSON, NUL in a bucket), with ``idle_connections`` held open
+  (connected, silent). The clients are one selector-driven thread in a process of their own (:func:`http_load`),
+  ``http_clients`` connections in flight at all times, each request on a new connection: client threads inside the
+  suite's process would wait for its GIL behind the feeders and the observer, and that wait would be counted as the
+  endpoint's. Latency is from the connect to the last byte of the answer, as the client sees it.
+- ``slow_clients``: while the feeder runs, a process of its own (:func:`bench._faults_probes.slow_clients`)
+  holds ``slow_half_sent`` connections that sent a request head without its closing blank line and nothing more,
+  and ``slow_tricklers`` that send a request one byte every ``slow_trickle_every_s``; a connection the server
+  closes is opened again at once. Meanwhile another process (:func:`bench._faults_probes.health_probe`) times
+  ``GET /health``, one at a time on new connections, for ``slow_probe_s``. Figures: ``health_p50/p99/max_ms``,
+  ``health_errors`` (no answer, or not 200), and what the endpoint did with the slow connections:
+  ``slow_closed_by_server`` per kind, ``slow_held_s`` (how long it held them before closing;
+  ``HttpConfig.request_timeout_s`` says 10 s), ``slow_answers`` (status lines it sent on them, e.g. 408; empty
+  when it closes without a word), ``requests_timed_out_by_server`` (its own counter).
+- ``forged_types``: ``forged_types`` well-formed windows, each with a new request type, in bursts spread over
+  ``forged_flood_s``; the cardinality caps must dead-letter the excess (counted per window, as the gate splits a
+  batch), and the sidecar's RSS must stay within 2x its idle RSS. It must keep deciding and publishing meanwhile:
+  ``/health`` is read every 0.25 s and its ``deciding`` block (``decisions``, ``last_at``, ``p99_s``,
+  ``overdue``; None while the sidecar does not report one) gives ``forged_decision_gap_s`` (the largest gap
+  between consecutive decisions during the flood, from ``last_at``: an upper bound when two samples straddle
+  several decisions; ``baseline_decision_gap_s`` is the same over four periods before the flood) and
+  ``forged_decision_p99_s`` (the largest p99 it reported). A third of the way through,
+  ``POST /pins`` pins ``PIN_BUCKET`` to a k other than the table's default; ``forged_pin_to_key_s`` is from the
+  request to the engines' key holding a newer table with the pin's entry (None: not within ``PIN_WAIT_S``); the
+  pin is then deleted (``DELETE /pins/{bucket}``, ``forged_unpin_to_key_s``). After the flood, real traffic:
+  ``real_type_windows`` acceptance windows of one new request type (``REAL_TYPE``), then ``model_update_windows``
+  windows of a new target version (``MODEL_UPDATE_VERSION``); ``forged_real_type_in_table`` /
+  ``forged_model_update_in_table`` say whether the published table came to list them within ``APPEAR_WAIT_S``
+  of the last one sent, and ``..._to_table_s`` how long after the first. Redis's memory is sampled throughout.
 - ``forged_tables``: forged (version far ahead), stale, oversized, garbage and wrong-Redis-type values written
   to the engines' policy key, and the key deleted; how long each stays before the sidecar puts the store's table
   back, and whether the engine stayed on the forgery (``engine_stuck_on_forged``; the client follows an older table
   back once it has held the key for ``ClientConfig.rollback_after_s``: ``engine_back_on_store_s``).
-- ``scaleout``: ``bench._faults_scaleout.run_scaleout`` (three sidecars, kill -9 the leader), when present.
+- ``scaleout``: ``bench._faults_scaleout.run_scaleout`` (three sidecars on the default lease, kill -9 the leader),
+  when present.
+
+Redis memory (``fuzz`` and ``forged_types``): every 0.5 s, ``INFO memory`` ``used_memory`` and the windows and
+dead-letter streams' ``XLEN`` and ``MEMORY USAGE``: ``redis_used_memory_mb_peak``, ``redis_windows_len_peak``,
+``redis_deadletter_len_peak``, ``redis_windows_mb_peak``, ``redis_deadletter_mb_peak`` and
+``redis_stream_mb_peak`` (the two streams together, judged against ``RedisConfig.stream_cap_mb`` when the product
+states one, else the suite's :data:`STATED_STREAM_CAP_MB`).
 
 Per scenario: ``windows_sent/stored/lost/duplicated``, ``engine_crashed``, ``sidecar_crashed``, ``recovery_s``
 (``first_window_stored_s`` and ``table_present_s`` after the service returns), ``policy_key_absent_s`` (longest
-run of 50 ms polls finding no table of the store's at the key while Redis answered), ``http_5xx``, ``http_p99_ms``,
-``max_rss_mb`` (peak sampled VmRSS of the sidecar), ``idle_rss_mb`` (VmRSS before the fault), ``dead_lettered`` and
-``dead_letter_reasons`` (the sidecar's ``/health`` ``rejected`` counters over the scenario; decision ticks the policy
-raised on are counted apart, as ``policy_errors``). ``targets`` judges each.
+run of 50 ms polls finding no table of the store's at the key while Redis answered), ``http_5xx``, ``http_p99_ms``
+(``slow_clients``: the /health probe's), ``max_rss_mb`` (peak sampled VmRSS of the sidecar), ``idle_rss_mb``
+(VmRSS before the fault), ``dead_lettered`` and ``dead_letter_reasons`` (the sidecar's ``/health`` ``rejected``
+counters over the scenario; decision ticks the policy raised on are counted apart, as ``policy_errors``).
+``targets`` judges each.
 
 A benchmark never asserts: it prints, saves JSON and a PNG, and leaves judging to the reader (and ``targets``).
 """
@@ -59,10 +100,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import itertools
 import json
 import math
 import os
 import random
+import select
 import selectors
 import shutil
 import signal
@@ -73,6 +116,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -84,12 +129,19 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
 from bench._common import write_results
+from bench._faults_probes import (
+    HTTP_STATUS_FAILED,
+    SLOW_READY,
+    HealthSampler,
+    RedisMemory,
+    decision_figures,
+)
 from controller.client import ClientConfig
 from telemetry.aggregate import aggregate
 from telemetry.policy_table import MAX_TABLE_BYTES, policy_table_from_json, table_to_json
 from telemetry.records import MAX_ENCODED_BYTES, AcceptanceWindow, PolicyTable, RecordError, WindowBatch
-from telemetry.synthetic import synthetic_rounds
-from telemetry.transport import GROUP, PAYLOAD_FIELD, RedisKeys
+from telemetry.synthetic import SyntheticConfig, synthetic_rounds
+from telemetry.transport import GROUP, PAYLOAD_FIELD, RedisConfig, RedisKeys
 from telemetry.wire import encode_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,26 +150,103 @@ POLL_S = 0.05  # the policy key and the sidecar's RSS are sampled this often
 STORED_POLL_S = 0.5  # the feeder's stored count is read from PostgreSQL this often (timeline only)
 READY_TIMEOUT_S = 120.0  # a sidecar or engine start on a busy 2-core machine (torch import, model load)
 SERVICE_TIMEOUT_S = 30.0  # redis-server / PostgreSQL start
-SETTLE_TIMEOUT_S = 60.0  # after a scenario: every window the feeder sent stored, or give up and count the rest lost
+SETTLE_MARGIN_S = 25.0  # beyond the sidecar's re-claim time: a busy 2-core machine, a store catching up
 PG_SUPERUSER = "postgres"
 PG_BINARIES = ("initdb", "pg_ctl")
 FORGED_REASON = "forged by the fault suite"
 POLICY_ERROR = "policy_error"  # the sidecar's count of decision ticks the policy raised on (controller/service)
 
-# Targets (issue 14); evaluated in the JSON's ``targets`` block.
+
+
+@dataclass(frozen=True)
+class SidecarDefaults:
+    """The settings a ``spectune sidecar`` runs with when given no timing flags, read from the product's own
+    config classes. The suite starts every sidecar without timing flags, so it measures these; its waits and
+    several targets are derived from them (and recorded in the JSON's ``config`` block)."""
+
+    publish_every_s: float  # SidecarConfig: a decision at least this often
+    publish_every_windows: int  # SidecarConfig: ... or after this many new windows
+    claim_min_idle_ms: int  # ConsumerConfig: an entry left pending this long is claimed again
+    claim_interval_s: float  # ConsumerConfig: how often the consumer looks for such entries
+    lease_ms: int  # LeaseConfig: a dead leader is replaced within this long
+    http_request_timeout_s: float  # HttpConfig: a request not whole this long after its first byte is cut
+    http_idle_timeout_s: float  # HttpConfig: a keep-alive connection with no request this long is closed
+    stream_maxlen: int  # RedisConfig: approximate MAXLEN of the windows stream (entries)
+    deadletter_maxlen: int  # RedisConfig: approximate MAXLEN of the dead-letter stream (entries)
+
+    @classmethod
+    def from_product(cls) -> SidecarDefaults:
+        from controller.service.http import HttpConfig
+        from controller.service.lease import LeaseConfig
+        from controller.service.sidecar import SidecarConfig
+        from telemetry.ingest import ConsumerConfig
+
+        sc, cc, http, rc = SidecarConfig(), ConsumerConfig(consumer="defaults"), HttpConfig(), RedisConfig()
+        return cls(publish_every_s=sc.publish_every_s, publish_every_windows=sc.publish_every_windows,
+                   claim_min_idle_ms=cc.claim_min_idle_ms, claim_interval_s=cc.claim_interval_s,
+                   lease_ms=LeaseConfig().lease_ms, http_request_timeout_s=http.request_timeout_s,
+                   http_idle_timeout_s=http.idle_timeout_s, stream_maxlen=rc.maxlen,
+                   deadletter_maxlen=rc.deadletter_maxlen)
+
+    @property
+    def reclaim_s(self) -> float:
+        """Longest wait before an entry a killed sidecar (or a failed store write) left pending is read again."""
+        return self.claim_min_idle_ms / 1000 + self.claim_interval_s
+
+    @property
+    def settle_s(self) -> float:
+        """How long the suite waits for every window to be stored after a fault, before counting the rest lost."""
+        return self.reclaim_s + SETTLE_MARGIN_S
+
+    def cli_mismatches(self) -> dict[str, tuple[Any, Any]]:
+        """Defaults where ``spectune sidecar``'s flags disagree with the config classes (field -> (flag, class)):
+        the suite starts the CLI, so its waits would be derived from the wrong figure."""
+        from controller.cli import build_parser
+
+        args = build_parser().parse_args(["sidecar"])
+        flags = {"publish_every_s": args.publish_every_s, "publish_every_windows": args.publish_every_windows,
+                 "claim_min_idle_ms": args.claim_idle_ms, "lease_ms": args.lease_ms}
+        return {k: (v, getattr(self, k)) for k, v in flags.items() if v != getattr(self, k)}
+
+
+DEFAULTS = SidecarDefaults.from_product()
+SETTLE_TIMEOUT_S = DEFAULTS.settle_s  # after a scenario: every window the feeder sent stored, or count the rest lost
+# The windows and dead-letter streams' memory cap. The product bounds them in entries (RedisConfig.maxlen /
+# deadletter_maxlen), not in bytes; until it states a byte cap (RedisConfig.stream_cap_mb), the suite states this
+# one: a sidecar's Redis streams should stay a small share of a shared Redis, whatever the input.
+STATED_STREAM_CAP_MB = 64.0
+
+
+def stream_cap_mb() -> tuple[float, str]:
+    """(cap in MB on the two streams together, where it comes from)."""
+    cap = getattr(RedisConfig(), "stream_cap_mb", None)
+    if isinstance(cap, int | float) and not isinstance(cap, bool) and cap > 0:
+        return float(cap), "telemetry.transport.RedisConfig.stream_cap_mb"
+    return STATED_STREAM_CAP_MB, "stated by the fault suite (RedisConfig has no stream_cap_mb)"
+
+
+# Targets; evaluated in the JSON's ``targets`` block.
 TARGET_RECOVERY_S = 5.0  # first stored window and a table at the key, after a service returns
 TARGET_POLICY_ABSENT_S = 2.0  # the engines' key without the store's table
-TARGET_HTTP_P99_MS = 50.0  # operator endpoint at 20 concurrent clients
+TARGET_HTTP_P99_MS = 50.0  # operator endpoint at 20 concurrent clients (and /health beside slow clients)
 TARGET_RSS_RATIO = 2.0  # sidecar peak RSS over its idle RSS under the cardinality flood
+# Under the label flood the sidecar must keep deciding on its own schedule: no gap between decisions past two
+# periods, and a pin through the endpoint at the engines' key within two periods.
+TARGET_DECISION_GAP_S = 2 * DEFAULTS.publish_every_s
+TARGET_PIN_TO_KEY_S = 2 * DEFAULTS.publish_every_s
+# A decision must fit within one lease renewal interval (lease_ms / 3): longer, and a leader that decides on its
+# loop risks its lease.
+TARGET_DECISION_P99_S = DEFAULTS.lease_ms / 3 / 1000
+TARGET_STREAM_MB, STREAM_CAP_SOURCE = stream_cap_mb()
 
 # The hostile-label and forged-table scenarios run late: what they leave behind (64 tracked types, an engine that
 # adopted a forged table) would colour the scenarios after them.
-# What every scenario's record holds (the issue's list); scenarios add their own figures beside these.
+# What every scenario's record holds; scenarios add their own figures beside these.
 FIELDS = ("windows_sent", "windows_stored", "windows_lost", "windows_duplicated", "engine_crashed", "sidecar_crashed",
           "recovery_s", "policy_key_absent_s", "http_5xx", "http_p99_ms", "max_rss_mb", "idle_rss_mb", "dead_lettered",
           "dead_letter_reasons")
-SCENARIOS = ("redis_kill", "sidecar_kill", "postgres_stop", "fuzz", "http", "forged_types", "forged_tables",
-             "scaleout")
+SCENARIOS = ("redis_kill", "sidecar_kill", "postgres_stop", "fuzz", "http", "slow_clients", "forged_types",
+             "forged_tables", "scaleout")
 
 
 class FaultSuiteError(RuntimeError):
@@ -141,6 +270,14 @@ class FaultConfig:
     feed_interval_s: float = 0.25  # one feeder window per this many seconds (an engine's emitter interval)
     rounds_per_window: int = 40
     scaleout_windows: int = 200  # passed to run_scaleout
+    forged_flood_s: float = 15.0  # the forged types arrive in bursts spread over this long
+    real_type_windows: int = 600  # acceptance windows of one real new request type, sent after the flood
+    model_update_windows: int = 2_400  # windows (acceptance and cost) of a real model update, sent after the flood
+    slow_half_sent: int = 200  # connections holding a request head without its blank line
+    slow_tricklers: int = 4  # connections sending a request one byte every slow_trickle_every_s
+    slow_trickle_every_s: float = 5.0
+    slow_probe_s: float = 30.0  # /health is timed this long beside the slow clients
+    slow_probe_every_s: float = 0.05  # pause between two /health probes (one at a time)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -156,7 +293,8 @@ PRESETS = {
                         http_requests=2_000, http_clients=20, idle_connections=200, before_s=5, after_s=8,
                         scaleout_windows=400),
     "quick": FaultConfig(redis_down_s=5, pg_down_s=5, fuzz_entries=2_000, fuzz_pool=500, forged_types=1_000,
-                         http_requests=400, http_clients=20, idle_connections=200, before_s=2, after_s=4),
+                         http_requests=400, http_clients=20, idle_connections=200, before_s=2, after_s=4,
+                         forged_flood_s=10, slow_probe_s=10),
 }
 
 
@@ -323,11 +461,12 @@ class SidecarProc:
         self.starts += 1
         ready = self.workdir / f"{self.name}.{self.starts}.ready"
         log = (self.workdir / f"{self.name}.{self.starts}.log").open("wb")
+        # No timing flag: the suite measures the sidecar as it ships (DEFAULTS); the consumer name is fixed so
+        # that a restarted sidecar claims back what its killed predecessor left pending.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "controller.cli", "sidecar", "--redis-url", self.redis_url, "--db-url",
              self.db_url, "--prefix", PREFIX, "--auto-upgrade", "--http-port", "0", "--ready-file", str(ready),
-             "--consumer", self.name, "--claim-idle-ms", "500", "--publish-every-s", "0.5",
-             "--publish-every-windows", "4"],
+             "--consumer", self.name],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.close()
@@ -933,6 +1072,11 @@ def scenario_postgres_stop(s: Suite) -> dict[str, Any]:
 
 
 # ---- fuzz
+def _redis_memory(s: Suite) -> RedisMemory:
+    keys = RedisKeys(PREFIX)
+    return RedisMemory(s.redis.url, keys.windows, keys.deadletter)
+
+
 def fuzz_payloads(n: int, pool_n: int, seed: int) -> list[dict[bytes, bytes]]:
     """``n`` hostile stream entries (field -> value): hypothesis draws ``pool_n`` bases and mutations, a seeded
     mutator derives the rest from those draws."""
@@ -1035,7 +1179,7 @@ def _mutate(doc: Any, rng: random.Random) -> dict[bytes, bytes]:
 
 def scenario_fuzz(s: Suite) -> dict[str, Any]:
     entries = fuzz_payloads(s.cfg.fuzz_entries, s.cfg.fuzz_pool, s.cfg.seed)
-    with s.scenario("fuzz") as rec:
+    with s.scenario("fuzz") as rec, _redis_memory(s) as mem:
         h0 = s.sc.health() or {}
         batches0 = s.db.foreign_batches()
         r = redis.Redis.from_url(s.redis.url)
@@ -1049,6 +1193,8 @@ def scenario_fuzz(s: Suite) -> dict[str, Any]:
         rec["fuzz_entries"] = len(entries)
         rec["drained"] = s.wait_drained(max(SETTLE_TIMEOUT_S, len(entries) / FUZZ_MIN_RATE))
         rec["returned_at"] = time.time()
+        mem.stop()
+        rec.update(mem.summary())
         rec["drain_s"] = round(rec["returned_at"] - rec["fault_at"], 2)
         rec["drain_entries_per_s"] = round(len(entries) / max(1e-9, rec["drain_s"]), 1)
         h1 = s.sc.health() or {}
@@ -1075,21 +1221,201 @@ def forged_type_batches(n: int, seed: int) -> list[bytes]:
     return out
 
 
+FORGED_BURSTS = 40  # the forged windows arrive in this many bursts over forged_flood_s
+PIN_AT = 1 / 3  # share of the flood's time that passes before the pin is posted
+PIN_K = 7  # the pinned k (one below when the table's default is 7 already): within the CLI's default k_max of 8
+PIN_REASON = "fault suite"
+# The pool's windows are of SyntheticConfig's versions: the pin covers every bucket of that pair.
+PIN_BUCKET = f"{SyntheticConfig().target_version}|{SyntheticConfig().draft_version}|*|*|*"
+REAL_TYPE = "real-new-type"  # a request type a real workload adds after the flood
+REAL_TYPE_ALPHA = 0.7  # its draft agreement (between the synthetic prose and code types)
+MODEL_UPDATE_VERSION = "target-v2"  # a real model update after the flood: the same draft, a new target
+REAL_SEND_S = 3.0  # the real type's windows are spread over this long ...
+MODEL_SEND_S = 4.0  # ... then the model update's over this long
+KEY_POLL_S = 0.05  # the engines' key is read this often while the suite waits for a table to change
+PIN_WAIT_S = max(10.0, 10 * DEFAULTS.publish_every_s)  # a pin not at the key by then is counted as never
+APPEAR_WAIT_S = max(15.0, 15 * DEFAULTS.publish_every_s)  # after the last real window, for the table to list it
+HTTP_CALL_TIMEOUT_S = 30.0  # a pin request under the flood
+BASELINE_PERIODS = 4  # decision periods sampled before the flood, for the gap without one
+
+
+def real_batches(engine_id: str, windows: int, config: SyntheticConfig, seed: int, *, count_cost: bool,
+                 rounds_per_window: int = 40) -> tuple[list[WindowBatch], int]:
+    """Window batches of seeded synthetic rounds of ``config`` (a new request type, a new model version) until they
+    hold ``windows`` windows: acceptance windows only, or acceptance and cost windows when ``count_cost``.
+    Returns the batches (``engine_id``, seq 1, 2, ...) and the windows they hold."""
+    rounds = synthetic_rounds(max(1, windows) * rounds_per_window, seed=seed, config=config)
+    out: list[WindowBatch] = []
+    got = 0
+    while got < windows:
+        chunk = list(itertools.islice(rounds, rounds_per_window))
+        if not chunk:
+            break
+        agg = aggregate(chunk)
+        out.append(WindowBatch(engine_id, len(out) + 1, 0.0, 0.25, agg.acceptance, agg.cost))
+        got += len(agg.acceptance) + (len(agg.cost) if count_cost else 0)
+    return out, got
+
+
+class _Sender(threading.Thread):
+    """XADDs phases of stream entries from a thread, each phase's entries in ``bursts`` spread over ``over_s``.
+    A :class:`WindowBatch` is encoded when it is sent, with that moment as its window's end."""
+
+    def __init__(self, redis_url: str, phases: Sequence[tuple[Sequence[bytes | WindowBatch], int, float]]) -> None:
+        super().__init__(name="forged-sender", daemon=True)
+        self._url, self._phases = redis_url, phases
+        self.began: list[float | None] = [None] * len(phases)  # time.time() of each phase's first XADD
+        self.sent = 0
+        self.error: str | None = None
+
+    def run(self) -> None:
+        r = redis.Redis.from_url(self._url, socket_timeout=5.0)
+        stream = RedisKeys(PREFIX).windows
+        try:
+            for i, (items, bursts, over_s) in enumerate(self._phases):
+                per = max(1, math.ceil(len(items) / max(1, bursts)))
+                t0 = time.monotonic()
+                self.began[i] = time.time()
+                for j, at in enumerate(range(0, len(items), per)):
+                    pipe = r.pipeline(transaction=False)
+                    for item in items[at:at + per]:
+                        if isinstance(item, WindowBatch):
+                            now = time.time()
+                            item = encode_batch(replace(item, window_start=now - 0.25, window_end=now))
+                        pipe.xadd(stream, {PAYLOAD_FIELD: item})
+                    pipe.execute()
+                    self.sent += len(items[at:at + per])
+                    time.sleep(max(0.0, t0 + (j + 1) * over_s / max(1, bursts) - time.monotonic()))
+        except (redis.RedisError, OSError) as e:
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            r.close()
+
+
+def table_at(r: redis.Redis) -> PolicyTable | None:
+    """The table at the engines' key, or None (absent, not a table, Redis unreachable)."""
+    try:
+        raw = r.get(RedisKeys(PREFIX).policy)
+    except (redis.RedisError, OSError):
+        return None
+    if not isinstance(raw, bytes | str):
+        return None
+    try:
+        return policy_table_from_json(raw)
+    except RecordError:
+        return None
+
+
+def watch_key(r: redis.Redis, conds: dict[str, Callable[[PolicyTable], bool]],
+              timeout_s: float) -> dict[str, float | None]:
+    """Reads the engines' key every ``KEY_POLL_S`` until every condition has held once, or ``timeout_s``. Returns
+    when each first held (time.time()), None for those that never did."""
+    seen: dict[str, float | None] = dict.fromkeys(conds)
+    end = time.monotonic() + timeout_s
+    while True:
+        t, now = table_at(r), time.time()
+        if t is not None:
+            for name, cond in conds.items():
+                if seen[name] is None and cond(t):
+                    seen[name] = now
+        if all(v is not None for v in seen.values()) or time.monotonic() > end:
+            return seen
+        time.sleep(KEY_POLL_S)
+
+
+def _http_json(method: str, url: str, body: Any = None) -> int:
+    """The status of one request to the operator endpoint (-1: no answer)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=HTTP_CALL_TIMEOUT_S) as resp:
+            resp.read()
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return HTTP_STATUS_FAILED
+
+
+def _parts(key: str) -> list[str]:
+    return key.split("|")
+
+
+def pin_round_trip(sc: SidecarProc, r: redis.Redis) -> dict[str, Any]:
+    """POST a pin on :data:`PIN_BUCKET`, time it to the engines' key, DELETE it and time that too."""
+    before = table_at(r)
+    v0 = before.version if before else 0
+    k = PIN_K if before is None or before.default_k != PIN_K else PIN_K - 1
+    t0 = time.time()
+    status = _http_json("POST", sc.url + "/pins", {"bucket": PIN_BUCKET, "k": k, "reason": PIN_REASON})
+    answered = time.time()
+    at = watch_key(r, {"pin": lambda t: t.version > v0 and t.entries.get(PIN_BUCKET) == k}, PIN_WAIT_S)["pin"]
+    pinned = table_at(r)
+    v1 = pinned.version if pinned else v0
+    t1 = time.time()
+    unpin = _http_json("DELETE", sc.url + "/pins/" + urllib.parse.quote(PIN_BUCKET, safe=""))
+    gone = watch_key(r, {"unpin": lambda t: t.version > v1 and PIN_BUCKET not in t.entries}, PIN_WAIT_S)["unpin"]
+    return {"forged_pin_k": k, "forged_pin_status": status, "forged_pin_answer_s": round(answered - t0, 3),
+            "forged_pin_to_key_s": None if at is None else round(at - t0, 3),
+            "forged_unpin_status": unpin, "forged_unpin_to_key_s": None if gone is None else round(gone - t1, 3)}
+
+
 def scenario_forged_types(s: Suite) -> dict[str, Any]:
-    payloads = forged_type_batches(s.cfg.forged_types, s.cfg.seed)
-    with s.scenario("forged_types") as rec:
-        r = redis.Redis.from_url(s.redis.url)
+    """A flood of forged request types, and whether the sidecar keeps deciding, publishing and learning."""
+    cfg = s.cfg
+    payloads = forged_type_batches(cfg.forged_types, cfg.seed)
+    new_type, type_windows = real_batches("real-new-type", cfg.real_type_windows,
+                                          SyntheticConfig(alpha={REAL_TYPE: REAL_TYPE_ALPHA}), cfg.seed + 3,
+                                          count_cost=False)
+    update, update_windows = real_batches("model-update", cfg.model_update_windows,
+                                          SyntheticConfig(target_version=MODEL_UPDATE_VERSION), cfg.seed + 4,
+                                          count_cost=True)
+    with (s.scenario("forged_types") as rec, HealthSampler(lambda: s.sc.url) as health, _redis_memory(s) as mem,
+          contextlib.closing(redis.Redis.from_url(s.redis.url, socket_timeout=2.0)) as r):
+        time.sleep(BASELINE_PERIODS * DEFAULTS.publish_every_s)  # the decisions' rhythm before the flood
         rec["fault_at"] = time.time()
-        for i in range(0, len(payloads), 100):
-            pipe = r.pipeline(transaction=False)
-            for p in payloads[i:i + 100]:
-                pipe.xadd(RedisKeys(PREFIX).windows, {PAYLOAD_FIELD: p})
-            pipe.execute()
-        r.close()
-        rec["forged_windows"] = len(payloads)
+        flood = _Sender(s.redis.url, [(payloads, FORGED_BURSTS, cfg.forged_flood_s)])
+        flood.start()
+        time.sleep(cfg.forged_flood_s * PIN_AT)
+        rec.update(pin_round_trip(s.sc, r))
+        flood.join()
+        t_flood = time.time()
+        rec["flood_s"] = round(t_flood - rec["fault_at"], 2)
+        rec["forged_windows"] = flood.sent
+        rec["flood_error"] = flood.error
+        # After the flood, real traffic: one new request type, then a model update.
+        real = _Sender(s.redis.url, [(new_type, len(new_type), REAL_SEND_S), (update, len(update), MODEL_SEND_S)])
+        real.start()
+        seen = watch_key(r, {
+            "type": lambda t: any(_parts(key)[2:3] == [REAL_TYPE] for key in t.entries),
+            "update": lambda t: any(_parts(key)[0] == MODEL_UPDATE_VERSION for key in t.entries),
+        }, REAL_SEND_S + MODEL_SEND_S + APPEAR_WAIT_S)
+        real.join()
+        rec["real_type_windows"], rec["model_update_windows"] = type_windows, update_windows
+        rec["real_send_error"] = real.error
+        for name, key, began in (("real_type", "type", real.began[0]), ("model_update", "update", real.began[1])):
+            at = seen[key]
+            rec[f"forged_{name}_in_table"] = at is not None
+            rec[f"forged_{name}_to_table_s"] = None if at is None or began is None else round(at - began, 3)
+        t_real = time.time()
         rec["drained"] = s.wait_drained()
         rec["returned_at"] = time.time()
         rec["drain_s"] = round(rec["returned_at"] - rec["fault_at"], 2)
+        health.stop()
+        mem.stop()
+        before = decision_figures([x for x in health.samples if x[0] <= rec["fault_at"]])
+        during = decision_figures([x for x in health.samples if rec["fault_at"] <= x[0] <= t_flood])
+        after = decision_figures([x for x in health.samples if t_flood <= x[0] <= t_real])
+        rec["baseline_decision_gap_s"] = before["decision_gap_s"]
+        rec["forged_decision_gap_s"] = during["decision_gap_s"]
+        rec["forged_decision_p99_s"] = during["decision_p99_s"]
+        rec["forged_decisions"] = during["decisions"]
+        rec["forged_overdue_samples"] = during["overdue_samples"]
+        rec["after_flood_decision_gap_s"] = after["decision_gap_s"]
+        rec["after_flood_decision_p99_s"] = after["decision_p99_s"]
+        rec["deciding_reported"] = any(d is not None for _, d in health.samples)
+        rec["health_samples"], rec["health_failures"] = len(health.samples), health.failures
+        rec.update(mem.summary())
         rec["forged_batches_stored"] = s.db.stored("forger")[0]  # their other windows are stored as usual
         h = s.sc.health() or {}
         rec["tracked"] = h.get("tracked")
@@ -1100,6 +1426,10 @@ def scenario_forged_types(s: Suite) -> dict[str, Any]:
 
 
 # ---- forged tables
+# A forged table is replaced on one of the sidecar's decision ticks; ten of them is the most the suite waits.
+FORGED_REPLACE_TIMEOUT_S = max(10.0, 10 * DEFAULTS.publish_every_s)
+
+
 def scenario_forged_tables(s: Suite) -> dict[str, Any]:
     key = RedisKeys(PREFIX).policy
     with s.scenario("forged_tables") as rec:
@@ -1121,20 +1451,21 @@ def scenario_forged_tables(s: Suite) -> dict[str, Any]:
             ("deleted", lambda: r.delete(key)),
         ]
         for name, write in cases:
-            s.wait_for_table(10)
+            s.wait_for_table(FORGED_REPLACE_TIMEOUT_S)
             t0 = time.time()
             write()
             r.publish(RedisKeys(PREFIX).policy_updates, str(2**40))
             try:
-                wait_for(lambda: s.obs.sample().key_ours, 10.0, f"the sidecar to replace the {name} table")
+                wait_for(lambda: s.obs.sample().key_ours, FORGED_REPLACE_TIMEOUT_S,
+                         f"the sidecar to replace the {name} table")
                 held[name] = round(time.time() - t0, 3)
             except FaultSuiteError:
-                held[name] = None  # not replaced within 10 s
+                held[name] = None  # not replaced within FORGED_REPLACE_TIMEOUT_S
                 with contextlib.suppress(redis.RedisError):
                     r.delete(key)  # let the next case start clean
         r.close()
         rec["returned_at"] = time.time()
-        rec["forged_held_s"] = held  # None: still there after 10 s (the timeline's absence covers it)
+        rec["forged_held_s"] = held  # None: still there after the timeout (the timeline's absence covers it)
         h = s.sc.health() or {}
         rec["policy_version_ahead"] = h.get("policy_version_ahead")
         if s.engine is not None:
@@ -1159,7 +1490,6 @@ def scenario_forged_tables(s: Suite) -> dict[str, Any]:
 
 
 # ---- HTTP
-HTTP_STATUS_FAILED = -1  # no answer at all (connection refused, reset, timeout, not HTTP)
 
 
 @dataclass
@@ -1303,6 +1633,93 @@ def scenario_http(s: Suite) -> dict[str, Any]:
     return rec
 
 
+# ---- slow clients
+SLOW_SETTLE_S = 1.0  # the slow connections are open this long before /health is timed
+
+
+def _metric(url: str, name: str) -> float | None:
+    """One unlabelled counter from the sidecar's ``/metrics`` (None when it is not there)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            text_ = r.read().decode(errors="replace")
+    except OSError:
+        return None
+    for line in text_.splitlines():
+        if line.startswith(name + " "):
+            with contextlib.suppress(ValueError, IndexError):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _child(fn: str) -> list[str]:
+    """The command line of one of :mod:`bench._faults_probes`' client processes."""
+    return [sys.executable, "-c", f"from bench._faults_probes import {fn} as m; m()"]
+
+
+def scenario_slow_clients(s: Suite) -> dict[str, Any]:
+    """/health timed from a process of its own while slow clients hold the operator endpoint's connections."""
+    cfg = s.cfg
+    port = int(s.sc.url.rsplit(":", 1)[1])
+    timed_out = "spectune_http_requests_timed_out_total"
+    with s.scenario("slow_clients") as rec:
+        cut0 = _metric(s.sc.url, timed_out)
+        slow_job = {"port": port, "half_sent": cfg.slow_half_sent, "tricklers": cfg.slow_tricklers,
+                    "every_s": cfg.slow_trickle_every_s, "duration_s": cfg.slow_probe_s + 2 * SLOW_SETTLE_S}
+        err_log = s.workdir / "slow_clients.err"
+        with err_log.open("wb") as err_out:
+            slow = subprocess.Popen(_child("_slow_clients_child"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=err_out, cwd=REPO)
+        try:
+            assert slow.stdin is not None and slow.stdout is not None
+            slow.stdin.write(json.dumps(slow_job).encode())
+            slow.stdin.close()
+            ready, _, _ = select.select([slow.stdout], [], [], READY_TIMEOUT_S)
+            if not ready or slow.stdout.readline() != SLOW_READY:
+                raise FaultSuiteError("the slow-clients process did not open its connections: "
+                                      f"{err_log.read_text(errors='replace')[-2000:]}")
+            time.sleep(SLOW_SETTLE_S)
+            rec["fault_at"] = time.time()
+            probe_job = {"port": port, "duration_s": cfg.slow_probe_s, "every_s": cfg.slow_probe_every_s}
+            try:
+                done = subprocess.run(_child("_health_probe_child"), input=json.dumps(probe_job).encode(),
+                                      capture_output=True, cwd=REPO, check=True,
+                                      timeout=cfg.slow_probe_s + HTTP_LOAD_TIMEOUT_S)
+                probe = json.loads(done.stdout)
+            except (subprocess.SubprocessError, ValueError) as e:
+                err = getattr(e, "stderr", b"") or b""
+                raise FaultSuiteError(f"the /health probe failed: {e}; {err.decode(errors='replace')[-2000:]}") from e
+            rec["returned_at"] = time.time()
+            try:
+                slow.wait(slow_job["duration_s"] + 30)  # its answer (a line) fits in the pipe meanwhile
+                rec.update(json.loads(slow.stdout.read()))
+            except (subprocess.TimeoutExpired, ValueError) as e:
+                raise FaultSuiteError(f"the slow-clients process gave no answer: {e}; "
+                                      f"{err_log.read_text(errors='replace')[-2000:]}") from e
+        finally:
+            if slow.poll() is None:
+                slow.kill()  # only the process this scenario started
+                slow.wait(10)
+            if slow.stdout is not None:
+                slow.stdout.close()
+        results = [(int(code), float(ms)) for code, ms in probe["results"]]
+        lat = [ms for _, ms in results]
+        codes: dict[str, int] = {}
+        for code, _ in results:
+            codes[str(code)] = codes.get(str(code), 0) + 1
+        cut1 = _metric(s.sc.url, timed_out)
+        rec["health_probes"] = len(results)
+        rec["health_codes"] = dict(sorted(codes.items()))
+        rec["health_errors"] = sum(n for c, n in codes.items() if c != "200")
+        rec["health_p50_ms"] = round(statistics.median(lat), 2) if lat else None
+        rec["health_p99_ms"] = round(pct(lat, 99) or 0.0, 2) if lat else None
+        rec["health_max_ms"] = round(max(lat), 2) if lat else None
+        # the endpoint's own count of requests it cut for not being whole in time (None: no such metric)
+        rec["requests_timed_out_by_server"] = None if cut0 is None or cut1 is None else int(cut1 - cut0)
+        rec["http_5xx"] = sum(n for c, n in codes.items() if c.startswith("5"))
+        rec["http_p99_ms"] = rec["health_p99_ms"]
+    return rec
+
+
 # ---- scale-out (another engineer's module)
 def scenario_scaleout(s: Suite) -> dict[str, Any]:
     try:
@@ -1328,7 +1745,8 @@ def scenario_scaleout(s: Suite) -> dict[str, Any]:
 RUNNERS: dict[str, Callable[[Suite], dict[str, Any]]] = {
     "redis_kill": scenario_redis_kill, "sidecar_kill": scenario_sidecar_kill,
     "postgres_stop": scenario_postgres_stop, "fuzz": scenario_fuzz, "forged_types": scenario_forged_types,
-    "forged_tables": scenario_forged_tables, "http": scenario_http, "scaleout": scenario_scaleout,
+    "forged_tables": scenario_forged_tables, "http": scenario_http, "slow_clients": scenario_slow_clients,
+    "scaleout": scenario_scaleout,
 }
 
 
@@ -1361,6 +1779,24 @@ def evaluate(scenarios: dict[str, dict[str, Any]], engine: dict[str, Any] | None
     def t(value: Any, limit: Any, ok: bool | None) -> dict[str, Any]:
         return {"value": value, "target": limit, "met": ok}
 
+    def at_most(rec: dict[str, Any], key: str, limit: float, *, strict: bool = False,
+                missing_fails: bool = False) -> dict[str, Any]:
+        """``rec[key]`` against ``limit``: not measured when the scenario did not run (or the sidecar does not
+        report the figure); with ``missing_fails``, a None the scenario did record is a failure (never happened)."""
+        if key not in rec:
+            return t(None, limit, None)
+        v = rec[key]
+        if v is None:
+            return t(None, limit, False if missing_fails else None)
+        return t(v, limit, v < limit if strict else v <= limit)
+
+    def is_true(rec: dict[str, Any], key: str) -> dict[str, Any]:
+        return t(rec.get(key), True, None if key not in rec else rec[key] is True)
+
+    slow = ran.get("slow_clients", {})
+    streams = [r["redis_stream_mb_peak"] for r in ran.values() if r.get("redis_stream_mb_peak") is not None]
+    stream_peak = {"redis_stream_mb_peak": max(streams)} if streams else {}
+
     return {
         "windows_lost": t(lost, 0, lost == 0),
         "windows_duplicated": t(dup, 0, dup == 0),
@@ -1379,6 +1815,14 @@ def evaluate(scenarios: dict[str, dict[str, Any]], engine: dict[str, Any] | None
         "engine_stuck_on_forged": t(ran.get("forged_tables", {}).get("engine_stuck_on_forged"), False,
                                     None if "engine_stuck_on_forged" not in ran.get("forged_tables", {})
                                     else not ran["forged_tables"]["engine_stuck_on_forged"]),
+        "slow_clients_health_p99_ms": at_most(slow, "health_p99_ms", TARGET_HTTP_P99_MS),
+        "slow_clients_health_errors": at_most(slow, "health_errors", 0),
+        "forged_decision_gap_s": at_most(ft, "forged_decision_gap_s", TARGET_DECISION_GAP_S),
+        "forged_decision_p99_s": at_most(ft, "forged_decision_p99_s", TARGET_DECISION_P99_S, strict=True),
+        "forged_pin_to_key_s": at_most(ft, "forged_pin_to_key_s", TARGET_PIN_TO_KEY_S, missing_fails=True),
+        "forged_real_type_in_table": is_true(ft, "forged_real_type_in_table"),
+        "forged_model_update_in_table": is_true(ft, "forged_model_update_in_table"),
+        "redis_stream_mb_peak": at_most(stream_peak, "redis_stream_mb_peak", TARGET_STREAM_MB),
         **_scaleout_targets(ran.get("scaleout")),
     }
 
@@ -1387,7 +1831,7 @@ def _scaleout_targets(so: dict[str, Any] | None) -> dict[str, Any]:
     """Several sidecars: one publisher at a time, failover within the lease + 2 s, no flips without a change."""
     if not so:
         return {}
-    limit = so.get("lease_ms", 2000) / 1000.0 + 2.0
+    limit = so.get("lease_ms", DEFAULTS.lease_ms) / 1000.0 + 2.0
     fo, pub, flips = so.get("failover_s"), so.get("publishers_at_once"), so.get("table_flips")
     return {
         "scaleout_publishers_at_once": {"value": pub, "target": 1, "met": None if pub is None else pub == 1},
@@ -1397,6 +1841,28 @@ def _scaleout_targets(so: dict[str, Any] | None) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ the run
+def run_config(cfg: FaultConfig) -> dict[str, Any]:
+    """The JSON's ``config`` block: the preset, the sidecar defaults every scenario ran with, and the limits and
+    waits derived from them."""
+    return {
+        **cfg.__dict__,
+        "sidecar_defaults": {**DEFAULTS.__dict__, "timing_flags_passed": False},
+        "sidecar_cli_default_mismatch": {k: {"cli": a, "config": b} for k, (a, b) in DEFAULTS.cli_mismatches().items()},
+        "derived": {
+            "settle_timeout_s": SETTLE_TIMEOUT_S,  # claim_min_idle_ms + claim_interval_s + margin
+            "decision_gap_target_s": TARGET_DECISION_GAP_S,  # 2 x publish_every_s
+            "pin_to_key_target_s": TARGET_PIN_TO_KEY_S,  # 2 x publish_every_s
+            "decision_p99_target_s": round(TARGET_DECISION_P99_S, 4),  # lease_ms / 3
+            "scaleout_failover_target_s": DEFAULTS.lease_ms / 1000 + 2.0,  # lease + 2 s
+            "forged_table_replace_timeout_s": FORGED_REPLACE_TIMEOUT_S,
+            "pin_wait_s": PIN_WAIT_S,
+            "real_traffic_appear_wait_s": APPEAR_WAIT_S,
+            "stream_cap_mb": TARGET_STREAM_MB,
+            "stream_cap_source": STREAM_CAP_SOURCE,
+        },
+    }
+
+
 def run(cfg: FaultConfig, *, scenarios: Sequence[str] = SCENARIOS, engine: bool = True, profile: str = "small",
         workdir: Path | None = None) -> dict[str, Any]:
     """Start the services, run ``scenarios`` in order, stop everything. Returns the JSON document."""
@@ -1439,7 +1905,7 @@ def run(cfg: FaultConfig, *, scenarios: Sequence[str] = SCENARIOS, engine: bool 
         "engine": eng,
         "sidecar_alive_at_end": sidecar_alive,
         "targets": evaluate(results, eng),
-        "config": dict(cfg.__dict__),
+        "config": run_config(cfg),
         "timelines": timelines,
         "key_state_changes": samples,
     }
