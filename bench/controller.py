@@ -39,13 +39,11 @@ import redis
 
 from bench._common import write_results
 from controller.client import ClientConfig, PolicyClient
-from controller.service.publish import RedisPublisher
-from controller.service.sidecar import Sidecar, SidecarConfig
-from policies import REGISTRY
+from controller.service.build import SidecarSettings, build_sidecar
+from controller.service.sidecar import SidecarConfig
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.ingest import ConsumerConfig
 from telemetry.records import DEFAULT_BUCKETS, REQUEST_TYPES, Bucket, PolicyTable
-from telemetry.store import Store
 from telemetry.synthetic import synthetic_rounds
 from telemetry.transport import RedisConfig, RedisKeys, RedisStreamsTransport
 
@@ -133,11 +131,8 @@ def bench_decide(cfg: BenchConfig, seed: int) -> dict[str, float]:
 # -------------------------------------------------------------------------------------- 2. propagation
 def bench_propagation(cfg: BenchConfig, redis_url: str, db_url: str) -> dict[str, float]:
     prefix = f"spectune-bench-{uuid.uuid4().hex[:8]}"
-    store = Store(db_url, auto_upgrade=True)
-    transport = RedisStreamsTransport(redis_url, RedisConfig(prefix=prefix))
-    publisher = RedisPublisher(redis_url, prefix)
-    sidecar = Sidecar(SidecarConfig(warm_start_windows=0, consumer=ConsumerConfig(consumer="bench", block_ms=1)),
-                      transport, store, REGISTRY["goodput"](k_max=8), publisher)
+    service = build_sidecar(_settings(redis_url, db_url, prefix, block_ms=1))
+    sidecar, store = service.sidecar, service.sidecar.store
     client = PolicyClient(ClientConfig(*VERSIONS[0], default_k=2, k_max=8, redis_url=redis_url, prefix=prefix,
                                        refresh_s=5.0))  # the timer is the safety net; the nudge is what we measure
     _wait(lambda: client.status().connected, "the client to reach Redis")
@@ -160,10 +155,15 @@ def bench_propagation(cfg: BenchConfig, redis_url: str, db_url: str) -> dict[str
         if keys:
             r.delete(*keys)
         r.close()
-        transport.close()
-        publisher.close()
-        store.close()
+        service.close()
     return {"p50": _pct(lat_ms, 50), "p99": _pct(lat_ms, 99), "max": max(lat_ms)}
+
+
+def _settings(redis_url: str, db_url: str, prefix: str, block_ms: int) -> SidecarSettings:
+    """The benchmarked sidecar: the goodput policy, no replay, no lease, no alerts."""
+    return SidecarSettings(db_url=db_url, redis_url=redis_url, prefix=prefix, auto_upgrade=True, policy="goodput",
+                           k_max=8, sidecar=SidecarConfig(warm_start_windows=0,
+                                                          consumer=ConsumerConfig(consumer="bench", block_ms=block_ms)))
 
 
 def _wait(cond: Any, what: str) -> None:
@@ -190,11 +190,8 @@ def bench_sidecar_cpu(cfg: BenchConfig, redis_url: str, db_url: str, seed: int) 
                 em.flush()
         em.flush()
         sent += em.stats().windows_sent
-    store = Store(db_url, auto_upgrade=True)
-    transport = RedisStreamsTransport(redis_url, rc)
-    publisher = RedisPublisher(redis_url, prefix)
-    sidecar = Sidecar(SidecarConfig(warm_start_windows=0, consumer=ConsumerConfig(consumer="bench", block_ms=5)),
-                      transport, store, REGISTRY["goodput"](k_max=8), publisher)
+    service = build_sidecar(_settings(redis_url, db_url, prefix, block_ms=5))
+    sidecar = service.sidecar
     try:
         c0, w0 = time.process_time(), time.perf_counter()
         got = sidecar.drain(idle_steps=2, max_steps=100_000)
@@ -205,10 +202,8 @@ def bench_sidecar_cpu(cfg: BenchConfig, redis_url: str, db_url: str, seed: int) 
         if keys:
             r.delete(*keys)
         r.close()
-        for t in (engine_side, transport):
-            t.close()
-        publisher.close()
-        store.close()
+        engine_side.close()
+        service.close()
     return {"cpu_s_per_1000": cpu / max(1, got) * 1000, "wall_s_per_1000": wall / max(1, got) * 1000,
             "windows": float(got), "sent": float(sent), "versions": float(sidecar.version),
             "windows_per_batch": sidecar.windows_observed / max(1, got)}

@@ -11,7 +11,8 @@ Grouped by who runs it:
   into round records, and ``spectune vllm serve``.
 - :mod:`controller.service`: the sidecar (never imports torch). It consumes windows from Redis Streams, stores
   them, feeds the policy, publishes the table (one leader at a time among several sidecars), raises drift alerts
-  (``alerts/``) and serves the operator HTTP endpoint and Prometheus metrics.
+  (``alerts/``) and serves the operator HTTP endpoint and Prometheus metrics. ``build_sidecar`` in
+  ``service/build.py`` is its one composition root.
 - :mod:`controller.offline`: tools over recorded telemetry and other engines' configurations: ``spectune
   ingest`` (vLLM, SGLang and TensorRT-LLM telemetry into the store), the calibrated simulator and the replay of
   stored windows, ``spectune tune`` (optuna) and ``spectune export`` (the engines' start-up formats).
@@ -19,7 +20,7 @@ Grouped by who runs it:
   the ``spectune engine`` process.
 - :mod:`controller.report`: ``spectune report``'s views of the stored windows.
 - :mod:`controller.cli`: the ``spectune`` command, the one place that reads the environment; each subcommand
-  imports only what it runs.
+  imports only what it runs. :mod:`controller.signals` is the one place that turns SIGINT/SIGTERM into a stop.
 
 Nothing else in the product imports this package (``bench`` and the tests do); it may import the rest:
 ``engine``, ``telemetry``, ``policies`` and ``migrations`` (``tests/test_imports.py`` checks the direction).

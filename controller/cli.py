@@ -15,7 +15,6 @@ import argparse
 import importlib
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -259,7 +258,8 @@ def _export_model(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from controller.reference.engine_proc import EngineProcConfig, install_stop_signals, run_engine
+    from controller.reference.engine_proc import EngineProcConfig, run_engine
+    from controller.signals import install_stop_signals
     from telemetry.transport import RedisKeys
 
     _check_redis(args.redis_url)
@@ -282,26 +282,14 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _sidecar(args: argparse.Namespace) -> int:
-    from controller.service.alerts import (
-        AlertConfig,
-        AlertManager,
-        AlertSink,
-        LogSink,
-        PrometheusSink,
-        RedisStreamSink,
-        WebhookConfig,
-        WebhookSink,
-    )
-    from controller.service.http import OperatorServer
-    from controller.service.lease import Lease, LeaseConfig
-    from controller.service.metrics import SidecarMetrics
-    from controller.service.publish import RedisPublisher
-    from controller.service.sidecar import Sidecar, SidecarConfig
+    from controller.service.alerts import AlertConfig, WebhookConfig
+    from controller.service.build import SidecarSettings, build_sidecar
+    from controller.service.lease import LeaseConfig
+    from controller.service.sidecar import SidecarConfig
+    from controller.signals import install_stop_signals
     from policies import REGISTRY
-    from telemetry.alerts_store import AlertStore
     from telemetry.ingest import ConsumerConfig, default_consumer_name
-    from telemetry.store import Store
-    from telemetry.transport import RedisConfig, RedisKeys, RedisStreamsTransport
+    from telemetry.transport import RedisKeys
 
     if args.policy not in REGISTRY:
         raise CLIError(f"unknown policy {args.policy!r}; choose one of: {', '.join(sorted(REGISTRY))}")
@@ -311,36 +299,26 @@ def _sidecar(args: argparse.Namespace) -> int:
         raise CLIError("--alert-webhook needs alerts on; drop --no-alerts")
     webhook = WebhookConfig(args.alert_webhook) if args.alert_webhook else None  # ValueError: a bad URL, said early
     lease_cfg = None if args.no_lease else LeaseConfig(args.lease_ms)  # ValueError: a lease too short, said early
-    _check_redis(args.redis_url)
     consumer = ConsumerConfig(consumer=args.consumer or default_consumer_name(), claim_min_idle_ms=args.claim_idle_ms,
                               claim_interval_s=min(5.0, args.claim_idle_ms / 2000))
-    cfg = SidecarConfig(publish_every_windows=args.publish_every_windows, publish_every_s=args.publish_every_s,
-                        warm_start_windows=args.warm_start_windows, consumer=consumer)
-    store = Store(args.db_url, auto_upgrade=args.auto_upgrade)
-    transport = RedisStreamsTransport(args.redis_url, RedisConfig(prefix=args.prefix))
-    publisher = RedisPublisher(args.redis_url, args.prefix)
-    metrics = SidecarMetrics()
-    alert_store: AlertStore | None = None
-    alerts: AlertManager | None = None
-    if args.alerts:
-        alert_store = AlertStore(args.db_url)  # after Store: the schema is at head (or --auto-upgrade made it so)
-        sinks: list[AlertSink] = [RedisStreamSink(args.redis_url, args.prefix), LogSink(),
-                                  PrometheusSink(metrics.registry), *([WebhookSink(webhook)] if webhook else [])]
-        alerts = AlertManager(AlertConfig(), store=alert_store, sinks=sinks)
-    lease = None if lease_cfg is None else Lease(args.redis_url, RedisKeys(args.prefix).leader, lease_cfg)
-    if lease is not None:
-        publisher.fence(lease.key, lease.token)  # the engines' key is written only while this sidecar leads
-    policy_kw: dict[str, Any] = {"one_k_per_batch": True} if args.one_k_per_batch else {}
-    sidecar = Sidecar(cfg, transport, store, REGISTRY[args.policy](k_max=args.k_max, seed=args.seed, **policy_kw),
-                      publisher, metrics, alerts=alerts, lease=lease)
-    server = OperatorServer(sidecar, args.http_host, args.http_port).start()
+    settings = SidecarSettings(
+        db_url=args.db_url, redis_url=args.redis_url, prefix=args.prefix, auto_upgrade=args.auto_upgrade,
+        policy=args.policy, k_max=args.k_max, seed=args.seed, one_k_per_batch=args.one_k_per_batch,
+        sidecar=SidecarConfig(publish_every_windows=args.publish_every_windows, publish_every_s=args.publish_every_s,
+                              warm_start_windows=args.warm_start_windows, consumer=consumer),
+        lease=lease_cfg, alerts=AlertConfig() if args.alerts else None,
+        alert_sinks=("stream", "log", "prometheus") if args.alerts else (), alert_webhook=webhook,
+        http_host=args.http_host, http_port=args.http_port)
+    _check_redis(args.redis_url)
+    service = build_sidecar(settings)
+    sidecar, server = service.sidecar, service.server
+    assert server is not None
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    install_stop_signals(stop)
     print(f"sidecar {consumer.consumer}: policy {args.policy}, resuming at v{sidecar.version}; "
-          f"operator endpoint {server.url}; consuming {transport.stream} (group sidecar); alerts "
-          f"{'on' if alerts else 'off'}{' + webhook' if webhook else ''}; "
-          + (f"leader lease {lease.key} ({lease_cfg.lease_ms} ms)" if lease and lease_cfg
+          f"operator endpoint {server.url}; consuming {RedisKeys(args.prefix).windows} (group sidecar); alerts "
+          f"{'on' if sidecar.alerts else 'off'}{' + webhook' if webhook else ''}; "
+          + (f"leader lease {sidecar.lease_key} ({lease_cfg.lease_ms} ms)" if sidecar.lease and lease_cfg
              else "no lease (always the leader)"), flush=True)
     if args.ready_file is not None:
         args.ready_file.write_text(json.dumps({"url": server.url, "pid": os.getpid()}))
@@ -348,16 +326,7 @@ def _sidecar(args: argparse.Namespace) -> int:
         sidecar.run(stop, duration_s=args.duration or None,
                     on_publish=lambda pv: print(f"published v{pv.table.version}: {pv.table.reason}", flush=True))
     finally:
-        server.close()
-        if lease is not None:
-            lease.close()  # run() released it already; this closes the connection
-        if alerts is not None:
-            alerts.close()  # flushes the registry's counts, stops the webhook's thread
-        if alert_store is not None:
-            alert_store.close()
-        transport.close()
-        publisher.close()
-        store.close()
+        service.close()
     h = sidecar.health()
     print(f"sidecar stopped: {h['windows_ingested']} batches ingested, policy v{h['policy_version']}", flush=True)
     return 0

@@ -59,11 +59,6 @@ class Decision:
     kind: DecisionKind = DecisionKind.RULE  # the rule that chose k, for code that branches on it
 
 
-def cell_key(target: str, draft: str, batch_bucket: int | str, context_bucket: str) -> str:
-    """The cost cell of a bucket: (versions, batch-size bucket, context bucket)."""
-    return f"{target}|{draft}|{batch_bucket}|{context_bucket}"
-
-
 class Policy(ABC):
     """Base class: decide k per bucket, learn from windows, snapshot to plain JSON-safe dicts.
 

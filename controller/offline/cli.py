@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from controller.offline.ingest import (
     ingest_paths,
     summary_lines,
 )
+from controller.signals import install_stop_signals
 from telemetry.store import DEFAULT_DB_URL
 
 COMMANDS = ("ingest", "export")
@@ -116,8 +116,7 @@ def _ingest(args: argparse.Namespace) -> int:
         ing = Ingestor(cfg, store, rejects)
         if args.follow:
             stop = threading.Event()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: stop.set())
+            install_stop_signals(stop)
             if args.duration is not None:
                 timer = threading.Timer(args.duration, stop.set)
                 timer.daemon = True  # --scrapes may end the run first; the timer must not hold the process

@@ -44,15 +44,15 @@ from controller.client import ClientConfig, EngineHooks, build_engine_hooks
 from controller.reference.demo_log import RoundLog, RowLog, RunLog
 from controller.reference.engine_proc import model_update
 from controller.reference.workload import WORKLOADS, Phase, PromptPool, RequestStream, drive, scaled, warm_up
-from controller.service.publish import CallbackPublisher, Publisher, RedisPublisher
+from controller.service.build import SidecarSettings, build_sidecar
+from controller.service.publish import CallbackPublisher
 from controller.service.sidecar import Sidecar, SidecarConfig
 from engine.profiles import DEFAULT_PROFILE, PROFILE_HELP, PROFILE_NAMES, get_profile
 from telemetry.emitter import EmitterConfig
 from telemetry.ingest import ConsumerConfig
 from telemetry.policy_table import RowLookup, lookup
 from telemetry.records import DEFAULT_BUCKETS, WILDCARD, Bucket, PolicyTable, RoundRecord
-from telemetry.store import Store
-from telemetry.transport import InProcessTransport, RedisConfig, RedisStreamsTransport, Transport
+from telemetry.transport import InProcessTransport
 
 QUICK_SCALE = 0.1  # --quick: each phase this fraction of its length (the whole demo in well under a minute)
 QUICK_MAX_BATCH = 24  # --quick: a smaller peak, so prefill and the model update's re-prefill stay short
@@ -179,10 +179,8 @@ def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: P
     and, with Redis, the ``{prefix}:alerts`` stream; the report lists them (:attr:`Sidecar.recent_alerts`).
     ``alerts_on`` overrides which runs raise them (None: the learned run only).
     """
-    from controller.service.alerts import AlertConfig, AlertManager, AlertSink, RedisStreamSink
+    from controller.service.alerts import AlertConfig
     from controller.service.alerts.manager import ACCEPTANCE_MONITOR, FIRST_DRAFT_MONITOR
-    from policies import REGISTRY
-    from telemetry.alerts_store import AlertStore
 
     m = eng.models
     tag = "" if decide is None else "-" + "-".join("".join(c if c.isalnum() else " " for c in name).split())
@@ -191,31 +189,27 @@ def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: P
         url = cfg.db_url or f"sqlite:///{(run_dir / 'spectune.sqlite').resolve()}"
     else:
         url = f"sqlite:///{(run_dir / f'shadow{tag}.sqlite').resolve()}"
-    store = Store(url, auto_upgrade=True)
-    transport: Transport
-    publisher: Publisher
+    raise_alerts = decide is None if alerts_on is None else alerts_on
+    alerts = None
+    if raise_alerts:
+        alerts = AlertConfig(acceptance=replace(ACCEPTANCE_MONITOR, min_before=DEMO_MIN_BEFORE),
+                             first_draft=replace(FIRST_DRAFT_MONITOR, min_before=DEMO_MIN_BEFORE), seed=cfg.seed)
+    settings = SidecarSettings(
+        db_url=url, redis_url=cfg.redis_url, prefix=prefix, auto_upgrade=True, policy="goodput", k_max=cfg.k_max,
+        seed=cfg.seed, sidecar=SidecarConfig(publish_every_windows=6, publish_every_s=0.5, warm_start_windows=0,
+                                             consumer=ConsumerConfig(consumer="demo", block_ms=50)),
+        alerts=alerts, alert_sinks=("stream",) if alerts is not None and cfg.redis_url is not None else ())
     client_cfg = ClientConfig(m.target_version, m.draft_version, default_k=cfg.static_k, k_max=cfg.k_max,
                               redis_url=cfg.redis_url, prefix=prefix)
     emitter_cfg = EmitterConfig(engine_id=f"demo-engine{tag}", interval_s=cfg.window_s)
     if cfg.redis_url is not None:  # the engine's hooks get their own connection, as a separate engine would
-        transport = RedisStreamsTransport(cfg.redis_url, RedisConfig(prefix=prefix))
+        service = build_sidecar(settings)
         hooks = build_engine_hooks(client_cfg, emitter_cfg)
-        publisher = RedisPublisher(cfg.redis_url, prefix)
     else:  # one in-process queue: the hooks write it, the sidecar reads it, tables come back by callback
         transport = InProcessTransport()
         hooks = build_engine_hooks(client_cfg, emitter_cfg, transport)
-        publisher = CallbackPublisher(hooks.client.apply)
-    alert_store = AlertStore(url) if (decide is None if alerts_on is None else alerts_on) else None
-    alerts = None
-    if alert_store is not None:
-        sinks: list[AlertSink] = [RedisStreamSink(cfg.redis_url, prefix)] if cfg.redis_url is not None else []
-        alerts = AlertManager(AlertConfig(acceptance=replace(ACCEPTANCE_MONITOR, min_before=DEMO_MIN_BEFORE),
-                                          first_draft=replace(FIRST_DRAFT_MONITOR, min_before=DEMO_MIN_BEFORE),
-                                          seed=cfg.seed), store=alert_store, sinks=sinks)
-    sidecar = Sidecar(
-        SidecarConfig(publish_every_windows=6, publish_every_s=0.5, warm_start_windows=0,
-                      consumer=ConsumerConfig(consumer="demo", block_ms=50)),
-        transport, store, REGISTRY["goodput"](k_max=cfg.k_max, seed=cfg.seed), publisher, alerts=alerts)
+        service = build_sidecar(settings, transport=transport, publisher=CallbackPublisher(hooks.client.apply))
+    sidecar = service.sidecar
     on_sidecar(sidecar)
     sidecar.start()
     try:
@@ -225,11 +219,7 @@ def _live_run(cfg: DemoConfig, eng: _Engine, phases: Sequence[Phase], run_dir: P
         sidecar.stop()
     sidecar.drain()
     log.history = list(sidecar.history)
-    if alerts is not None:
-        alerts.close()
-    if alert_store is not None:
-        alert_store.close()
-    store.close()
+    service.close()
     return log, sidecar
 
 

@@ -13,7 +13,6 @@ telemetry first).
 from __future__ import annotations
 
 import json
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -184,9 +183,3 @@ def model_update(engine: SpecEngine, models: Models, hooks: EngineHooks) -> Call
             hooks.set_versions(models.target_v2_version, models.draft_version)
 
     return update
-
-
-def install_stop_signals(stop: threading.Event) -> None:
-    """SIGTERM and SIGINT set ``stop``: the engine finishes its round and flushes telemetry before exiting."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())

@@ -68,7 +68,7 @@ def test_a_flood_of_request_types_is_capped_dead_lettered_and_counted(redis_url:
         admitted = limit - len(DEFAULT_ALPHA)
         assert sc.health()["tracked"]["request_types"] == limit
         assert len({b.request_type for b in sc.buckets()}) == limit
-        assert len({k for s in sc._seen.values() for k in s.types}) == limit
+        assert len({k for s in sc.decider._seen.values() for k in s.types}) == limit
         excess = FORGED_TYPES - admitted
         assert sc.rejected[TOO_MANY_REQUEST_TYPES] == excess
         assert sc.metrics.registry.get_sample_value(
@@ -97,7 +97,7 @@ def test_a_flood_of_request_types_is_capped_dead_lettered_and_counted(redis_url:
         sc.drain()
         pol.decides = 0
         sc.publish_now("learned")
-        active = {b.key() for b in sc.buckets() if sc._active(b)}
+        active = {b.key() for b in sc.buckets() if sc.decider.active(b)}
         assert 0 < pol.decides <= len(active) < len(sc.buckets())  # the types of the cells that had windows
         assert sc.current is not None and all(f"target-v1|draft-v1|{rt}|" in "".join(sc.current.entries)
                                               for rt in DEFAULT_ALPHA)

@@ -261,8 +261,8 @@ def test_an_overdue_decision_and_lease_churn_make_health_degraded(
         assert "decision_overdue" not in sc.degraded_because()
 
         for _ in range(sidecar_module.LEASE_CHURN_LOSSES):
-            sc._leader = True
-            sc._step_down("lost the leader lease")
+            sc.leadership.leader = True
+            sc.leadership.step_down("lost the leader lease")
             now[0] += 1.0
         assert "lease_churn" in sc.degraded_because()
         now[0] += sidecar_module.LEASE_CHURN_WINDOW_S

@@ -157,9 +157,9 @@ def test_a_stale_leader_whose_lease_expired_cannot_publish(redis_url: str, redis
     # even past the local check (a clock that lied), Redis no longer confirms its lease: no version is taken
     assert a.lease is not None
     a.lease._holder, a.lease._valid_until = True, time.monotonic() + 10
-    a._leader = True
+    a.leadership.leader = True
     a.store.unpin("*|*|*|*|*")
-    assert a.publish_now("stale forced") is None and not a._leader
+    assert a.publish_now("stale forced") is None and not a.leadership.leader
     assert b.store.latest_policy_version().version == v_b  # type: ignore[union-attr]
     assert RedisPublisher(redis_url, redis_prefix).current_version() == v_b
     assert a.version == v_b  # it adopted the leader's table
