@@ -44,9 +44,12 @@ lint: install
 	$(BIN)/ruff check engine telemetry policies controller bench tests
 	$(BIN)/mypy
 
+# Three workers: on two cores many tests wait on Redis, PostgreSQL or a subprocess, and four ran slower than three.
+# loadfile keeps a file's tests on one worker: test_live.py's share one vLLM server (loadgroup would group by
+# xdist_group marks, but pytest-xdist 3.8 on pytest 9.2 ignores them: pytest-dev/pytest-xdist#1386).
 test: install lint vllm
 	$(BIN)/spectune db check-migrations
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile
 
 demo: install
 	$(BIN)/spectune demo

@@ -7,6 +7,7 @@ reason; under CI (``CI`` set, as `.ci/run` runs) a missing server fails them, so
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,15 @@ from urllib.parse import quote
 import pytest
 import redis
 from sqlalchemy import create_engine, text
+
+# Under pytest-xdist the workers are processes on the same cores, and torch gives each of them one OpenMP thread
+# per core: the threads then spin against each other (test_loop.py's greedy tests took 190 s on three workers, and
+# 17 s with one thread each). One thread per worker, and per process a test starts, unless the environment says
+# otherwise.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:  # imported before this file (by a plugin): the variable is read at import only
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def service_unavailable(message: str) -> NoReturn:

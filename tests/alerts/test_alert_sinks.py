@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -14,6 +13,20 @@ import pytest
 from controller.service.alerts import AlertSink, LogSink, WebhookConfig, WebhookSink
 from telemetry.alerts import MODEL_UPDATE, Alert
 
+HOLD_S = 30.0  # the longest a held attempt waits for its answer (a test that forgets to open the gate)
+
+
+class _RecordingStop(threading.Event):
+    """A sink's stop event that records each backoff wait it is asked for: the sink's delays, read exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout)
+        return super().wait(timeout)
+
 
 def _alert(i: int = 1) -> Alert:
     return Alert(kind=MODEL_UPDATE, bucket="t2|d1|*|*|*", target_version="t2", draft_version="d1",
@@ -21,17 +34,21 @@ def _alert(i: int = 1) -> Alert:
 
 
 class _Server:
-    """A local HTTP endpoint answering ``status`` to every POST and recording the bodies."""
+    """A local HTTP endpoint answering ``status`` to every POST and recording the bodies.
+
+    It answers once ``gate`` is set (at once by default); a test clears it to hold an attempt in flight.
+    """
 
     def __init__(self, status: int) -> None:
         self.bodies: list[bytes] = []
-        self.times: list[float] = []
+        self.gate = threading.Event()
+        self.gate.set()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 outer.bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.times.append(time.monotonic())
+                outer.gate.wait(HOLD_S)
                 self.send_response(status)
                 self.end_headers()
 
@@ -44,6 +61,7 @@ class _Server:
         self._thread.start()
 
     def close(self) -> None:
+        self.gate.set()  # a held handler answers, so shutdown does not wait for HOLD_S
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -63,16 +81,17 @@ def ok_server() -> Iterator[_Server]:
 
 
 def test_webhook_retries_with_backoff_then_gives_up_without_blocking(failing_server: _Server) -> None:
-    sink = WebhookSink(WebhookConfig(failing_server.url, timeout_s=1.0, max_attempts=3, backoff_s=0.1))
+    sink = WebhookSink(WebhookConfig(failing_server.url, timeout_s=HOLD_S, max_attempts=3, backoff_s=0.1))
+    sink._stop = stop = _RecordingStop()  # read before each use, so the running thread backs off on this one
     try:
-        t0 = time.monotonic()
+        failing_server.gate.clear()  # the endpoint holds its answer: no attempt can end before the gate opens
         sink.emit(_alert())
-        assert time.monotonic() - t0 < 0.05  # the caller only enqueues
-        assert sink.flush(timeout_s=10.0)
+        assert sink.attempts <= 1 and sink.gave_up == 0  # emit() returned with the delivery still under way
+        failing_server.gate.set()
+        assert sink.flush(timeout_s=HOLD_S)
         assert len(failing_server.bodies) == 3 and sink.attempts == 3
         assert sink.gave_up == 1 and sink.delivered == 0 and sink.failures == 0
-        gaps = [b - a for a, b in zip(failing_server.times, failing_server.times[1:], strict=False)]
-        assert gaps[0] >= 0.09 and gaps[1] >= 0.19  # 0.1 s, then doubled
+        assert stop.waits == [0.1, 0.2]  # 0.1 s before the first retry, then doubled
         assert json.loads(failing_server.bodies[0])["kind"] == MODEL_UPDATE
     finally:
         sink.close()
@@ -87,14 +106,14 @@ def test_webhook_delivers_to_a_working_endpoint(ok_server: _Server) -> None:
 
 
 def test_an_unreachable_webhook_neither_blocks_nor_raises() -> None:
-    # A port nothing listens on: every attempt is refused at once; backoff runs in the sink's thread.
-    sink = WebhookSink(WebhookConfig("http://127.0.0.1:9/hook", max_attempts=2, backoff_s=0.05, queue_size=2))
-    t0 = time.monotonic()
+    # A port nothing listens on: every attempt is refused at once; the backoff (far longer than the test) runs in
+    # the sink's thread, so that thread holds at most one alert while the five are emitted.
+    sink = WebhookSink(WebhookConfig("http://127.0.0.1:9/hook", max_attempts=2, backoff_s=3600.0, queue_size=2))
     for i in range(5):
         sink.emit(_alert(i))
-    assert time.monotonic() - t0 < 0.1
-    assert sink.dropped >= 2  # a full queue drops and counts
-    sink.close(timeout_s=2.0)
+    assert sink.gave_up == 0  # every emit() returned while the first alert was still being retried
+    assert sink.dropped >= 2  # a full queue (2) drops and counts what one alert in flight leaves over
+    sink.close(timeout_s=HOLD_S)  # interrupts the backoff
     assert sink.gave_up + sink.dropped == 5
 
 

@@ -27,7 +27,8 @@ def checkpoints() -> Path:
 
 @pytest.fixture(scope="session")
 def prompt_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One prompt pool per test session (building it parses the standard library)."""
+    """One prompt pool per test session and xdist worker (building it parses the standard library); each worker
+    builds its own under its own temporary folder, so no two write one file."""
     from controller.reference.workload import PromptPool
 
     d = tmp_path_factory.mktemp("prompts")

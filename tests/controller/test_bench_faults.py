@@ -92,6 +92,7 @@ def _start(suites: list[Suite], cfg: FaultConfig, tmp_path: Path) -> Suite:
     return suite
 
 
+@pytest.mark.slow
 def test_fault_suite_core(tmp_path: Path, suite_of: list[Suite]) -> None:
     suite = _start(suite_of, CORE, tmp_path)
     assert suite.redis.port != 6379 and suite.pg.port != 5432
@@ -123,6 +124,7 @@ def test_fault_suite_core(tmp_path: Path, suite_of: list[Suite]) -> None:
     assert targets["slow_clients_health_p99_ms"]["met"] is None  # not run: not measured
 
 
+@pytest.mark.slow
 def test_slow_clients_and_the_forged_type_flood(tmp_path: Path, suite_of: list[Suite]) -> None:
     suite = _start(suite_of, HOSTILE, tmp_path)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from waiting import wait_until
 
 from controller.client import ClientConfig, EngineHooks, PolicyClient
 from controller.service.publish import RedisPublisher
@@ -25,13 +26,7 @@ def table(version: int, entries: dict[str, int] | None = None, default_k: int = 
     return PolicyTable(version=version, default_k=default_k, k_max=k_max, entries=entries or {}, created_at=1.0)
 
 
-def wait_for(cond, timeout_s: float = 3.0) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return cond()
+WAIT_S = 30.0  # a deadline for what another thread does, not a speed requirement: polls return when it holds
 
 
 def test_fail_static_without_any_sidecar() -> None:
@@ -43,7 +38,7 @@ def test_fail_static_without_any_sidecar() -> None:
 
 def test_fail_static_when_redis_is_unreachable() -> None:
     with PolicyClient(ClientConfig(V1, D, default_k=1, redis_url="redis://127.0.0.1:1/0", refresh_s=0.05)) as c:
-        assert wait_for(lambda: c.status().last_error is not None)
+        wait_until(lambda: c.status().last_error is not None, WAIT_S, "the connection error")
         assert c.decide("prose", 1, 10) == 1
         st = c.status()
         assert st.fail_static and not st.connected and "Redis unreachable" in st.detail
@@ -101,24 +96,25 @@ def test_rejects_malformed_json(text: bytes, reason: str) -> None:
 def test_follows_redis_and_rejects_tables_pushed_by_hand(redis_url: str, redis_prefix: str) -> None:
     pub = RedisPublisher(redis_url, redis_prefix)
     key = f"{V1}|{D}|code|8|<=512"
+    # the timer refresh is far beyond every wait below: whatever arrives, arrives by the pub/sub nudge
     with PolicyClient(ClientConfig(V1, D, default_k=1, redis_url=redis_url, prefix=redis_prefix,
-                                   refresh_s=5.0)) as c:
-        assert wait_for(lambda: c.status().connected)
+                                   refresh_s=3600.0, rollback_after_s=3600.0)) as c:
+        wait_until(lambda: c.status().connected, WAIT_S, "the client to connect")
         assert c.status().fail_static
         assert pub.publish(table(3, {key: 6}))
-        assert wait_for(lambda: c.version == 3, 1.0)  # the nudge, not the 5 s timer
+        wait_until(lambda: c.version == 3, WAIT_S, "v3 by the nudge")
         assert c.decide("code", 8, 10) == 6 and c.status().mode == "following"
         r = redis.Redis.from_url(redis_url)
         too_big = json.dumps({**json.loads(table_to_json(table(9, {key: 0}))), "entries": {key: 42}}).encode()
         for i, raw in enumerate((b"garbage", table_to_json(table(2, {key: 0})).encode(), too_big)):
             r.set(RedisKeys(redis_prefix).policy, raw)
             r.publish(RedisKeys(redis_prefix).policy_updates, "99")
-            assert wait_for(lambda n=i + 1: sum(c.status().rejected.values()) >= n)
+            wait_until(lambda n=i + 1: sum(c.status().rejected.values()) >= n, WAIT_S, f"rejection {i}")
         assert c.version == 3 and c.decide("code", 8, 10) == 6
         assert set(c.status().rejected) == {"undecodable", "stale_version", "out_of_range"}
         # the sidecar overwrites junk and moves on
         assert pub.publish(table(4, {key: 2}), force=True)
-        assert wait_for(lambda: c.version == 4, 1.0)
+        wait_until(lambda: c.version == 4, WAIT_S, "v4 by the nudge")
         r.close()
     pub.close()
 
@@ -147,16 +143,19 @@ def test_an_older_table_that_stays_at_the_key_is_followed_back(redis_url: str, r
     with PolicyClient(ClientConfig(V1, D, default_k=1, redis_url=redis_url, prefix=redis_prefix, refresh_s=0.1,
                                    rollback_after_s=0.6)) as c:
         assert pub.publish(table(2**40, {key: 0}), force=True)  # the forger
-        assert wait_for(lambda: c.version == 2**40, 1.0)
+        wait_until(lambda: c.version == 2**40, WAIT_S, "the forged table")
         assert pub.publish(table(12, {key: 5}), force=True)  # the sidecar puts its own table back
-        assert wait_for(lambda: c.status().rejected.get("stale_version") == 1, 1.0)
+        wait_until(lambda: c.status().rejected.get("stale_version") == 1, WAIT_S, "the older table refused")
         assert c.version == 2**40  # refused at first: an older table pushed by hand is soon replaced
-        for v in range(13, 19):  # the sidecar keeps learning: a newer table every 0.2 s, all older than v2**40
+        # the sidecar keeps learning: a newer table every 0.2 s, all older than v2**40. The sleep paces this
+        # producer so that no single table stays at the key for rollback_after_s (the client's real clock)
+        for v in range(13, 19):
             time.sleep(0.2)
             assert pub.publish(table(v, {key: 5}))
         # one stretch of older tables (not one table staying 0.6 s): followed back while they keep coming
         assert c.version is not None and 12 <= c.version <= 18
-        assert wait_for(lambda: c.version == 18, 2.0) and c.decide("code", 8, 10) == 5
+        wait_until(lambda: c.version == 18, WAIT_S, "v18, the newest table")
+        assert c.decide("code", 8, 10) == 5
         st = c.status()
         assert st.rollbacks == 1 and "followed the policy key back" in (st.last_error or "")
     with pytest.raises(ValueError, match="rollback_after_s"):

@@ -1,4 +1,4 @@
-"""The client's side of the policy-table size cap (issue 14 item 5), against real Redis."""
+"""The client's side of the policy-table size cap (an oversized table is refused, not parsed), against real Redis."""
 
 from __future__ import annotations
 

@@ -18,32 +18,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from waiting import wait_until
 
 from telemetry.policy_table import table_to_json
 from telemetry.records import PolicyTable
 from telemetry.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
-PROPAGATION_BOUND_S = 0.1  # issue 5: a changed decision reaches the engine using it within 100 ms (p99)
 STARTUP_S = 90.0  # torch import + model load on a busy CI machine
-
-
-def wait_until(cond: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def status_lines(path: Path) -> list[dict[str, Any]]:
@@ -95,6 +84,7 @@ def procs(tmp_path: Path, redis_url: str, redis_prefix: str, checkpoints: Path, 
     ps.close()
 
 
+@pytest.mark.slow
 def test_engine_follows_pins_survives_the_sidecar_and_nothing_is_lost(procs: Procs) -> None:
     status = procs.tmp / "engine.jsonl"
     sc1, url1 = procs.sidecar("sc1")
@@ -105,22 +95,37 @@ def test_engine_follows_pins_survives_the_sidecar_and_nothing_is_lost(procs: Pro
                           "--device", "cpu"], "engine.log")
     wait_until(lambda: any(x["rounds"] >= 3 for x in status_lines(status)), STARTUP_S, "the engine to decode")
 
-    # 2. pin every bucket to k=1 and watch the engine's client apply it
+    r = redis.Redis.from_url(procs.redis_url)
+
+    def version_in_redis() -> int | None:
+        try:
+            return int(json.loads(r.get(f"{procs.prefix}:policy") or b"null")["version"])
+        except (ValueError, TypeError, KeyError):
+            return None  # absent, or the garbage of step 4 still there
+
+    # 2. pin every bucket to k=1 and watch the engine's client apply it; how fast it propagates is measured by
+    # `spectune bench controller` (propagation_ms), a wall-clock figure this test on a shared machine cannot hold
     res = http(f"{url1}/pins", "POST", {"bucket": "*|*|*|*|*", "k": 1, "reason": "e2e"})
     pinned = res["policy_version"]
-    created = http(f"{url1}/policy")["created_at"]
     line = wait_until(lambda: next((x for x in status_lines(status) if (x["version"] or 0) >= pinned), None),
-                      10, "the engine to apply the pinned table")
-    assert line["applied_at"] - created <= PROPAGATION_BOUND_S, f"propagation {line['applied_at'] - created:.3f}s"
+                      30, "the engine to apply the pinned table")
+    assert line["mode"] == "following" and not line["fail_static"]
     after = wait_until(lambda: [x for x in status_lines(status) if x["rounds"] > line["rounds"] + 1], 30,
                        "rounds after the pin")
     assert all(set(x["k_by_type"].values()) == {1} for x in after), after[-1]
 
-    # 3. kill the sidecar: the engine keeps decoding on its last policy
+    # 3. kill the sidecar: the engine keeps decoding on its last policy, the last table the sidecar put in Redis
+    # (one published just before the kill may still be on its way to the engine)
     sc1.send_signal(signal.SIGKILL)
     sc1.wait(10)
-    time.sleep(0.3)  # a table published just before the kill is still on its way
-    at_kill = status_lines(status)[-1]
+    last_published = version_in_redis()
+    assert last_published is not None and last_published >= pinned
+
+    def latest_on_last_published() -> dict[str, Any] | None:
+        latest = status_lines(status)[-1]
+        return latest if latest["version"] == last_published else None
+
+    at_kill = wait_until(latest_on_last_published, 30, f"the engine to apply v{last_published}, the last published")
     in_force = at_kill["version"]  # the pin holds; learning may have added buckets (newer versions) meanwhile
     assert in_force >= pinned
     wait_until(lambda: status_lines(status)[-1]["rounds"] > at_kill["rounds"] + 3, 30, "decoding without a sidecar")
@@ -128,7 +133,6 @@ def test_engine_follows_pins_survives_the_sidecar_and_nothing_is_lost(procs: Pro
     assert last["version"] == in_force and set(last["k_by_type"].values()) == {1} and not last["fail_static"]
 
     # 4. invalid tables pushed straight into Redis are rejected by the engine's client
-    r = redis.Redis.from_url(procs.redis_url)
     good = json.loads(table_to_json(PolicyTable(version=pinned + 100, default_k=1, k_max=8, entries={})))
     for i, raw in enumerate((
         json.dumps({**good, "entries": {"*|*|*|*|*": 42}}),  # k out of bounds
@@ -147,16 +151,11 @@ def test_engine_follows_pins_survives_the_sidecar_and_nothing_is_lost(procs: Pro
     # leader lease (the killed sidecar's lapses within --lease-ms, 5 s by default; until then the garbage stays)
     sc2, url2 = procs.sidecar("sc2")
     assert http(f"{url2}/health")["policy_version"] >= in_force
-
-    def version_in_redis() -> int | None:
-        try:
-            return int(json.loads(r.get(f"{procs.prefix}:policy") or b"null")["version"])
-        except (ValueError, TypeError, KeyError):
-            return None  # absent, or the garbage of step 4 still there
-
-    wait_until(lambda: (version_in_redis() or 0) >= in_force, 15, "the table back in Redis")
+    wait_until(lambda: (version_in_redis() or 0) >= in_force, 30, "the table back in Redis")
     assert http(f"{url2}/health")["leader"]
-    time.sleep(1.0)
+    # the engine follows the second sidecar before it stops: the windows it sends meanwhile go to sc2
+    wait_until(lambda: status_lines(status)[-1]["version"] == version_in_redis(), 30,
+               "the engine to follow the second sidecar's table")
     engine.send_signal(signal.SIGTERM)
     assert engine.wait(60) == 0
     final = status_lines(status)[-1]

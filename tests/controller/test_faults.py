@@ -1,4 +1,4 @@
-"""Faults the issue-14 probe found in the sidecar: a Redis restart, a forged table version, counters that lied.
+"""Sidecar faults: a Redis restart, a forged table version, counters that must not lie.
 
 The Redis restart test runs its own ``redis-server`` (no persistence, so a restart comes back empty, as the probe's
 did) and kills and restarts only that process, by PID.

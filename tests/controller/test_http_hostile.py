@@ -73,15 +73,13 @@ def test_idle_connections_are_closed_and_hold_no_thread(served: tuple[OperatorSe
     srv, _ = served
     before = threading.active_count()
     idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(50)]
-    time.sleep(0.2)
+    # served while 50 idle connections sit there; the listen queue is first in, first out, so by its answer the
+    # server has accepted all of them
+    assert request(srv, "GET", "/health")[0] == 200
     assert threading.active_count() <= before + CFG.workers  # a bounded pool, not a thread per connection
-    t0 = time.monotonic()
-    assert request(srv, "GET", "/health")[0] == 200  # served while 50 idle connections sit there
-    assert time.monotonic() - t0 < CFG.idle_timeout_s
     for s in idle:
-        assert s.recv(1) == b""  # closed by the server after idle_timeout_s
+        assert s.recv(1) == b""  # closed by the server (idle_timeout_s), well before the socket's own timeout
         s.close()
-    assert time.monotonic() - t0 < CFG.idle_timeout_s + 3
 
 
 def test_keep_alive_serves_several_requests_on_one_connection(served: tuple[OperatorServer, Sidecar]) -> None:
@@ -114,7 +112,7 @@ def test_clients_that_vanish_are_not_sidecar_errors(served: tuple[OperatorServer
             s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             s.close()  # RST: the server's read or write meets a reset connection
-    time.sleep(0.5)
+    time.sleep(0.5)  # nothing marks a reset as handled; the errors below would be counted within this grace
     assert request(srv, "GET", "/health")[0] == 200
     assert sc.errors == 0 and sc.last_error is None
     assert "Traceback" not in capfd.readouterr().err
@@ -159,8 +157,8 @@ def _wait_closed(s: socket.socket, deadline_s: float) -> bool:
 
 
 def test_half_sent_requests_hold_no_worker(served: tuple[OperatorServer, Sidecar]) -> None:
-    """Five times as many half-sent requests as workers: /health still answers at once (each worker used to wait
-    on its client's next byte for request_timeout_s, then for the next one)."""
+    """Five times as many half-sent requests as workers: /health still answers at once (a worker that waited on
+    its client's next byte would hold /health for request_timeout_s per half-sent request)."""
     srv, sc = served
     half = []
     for i in range(CFG.workers * 5):

@@ -67,6 +67,7 @@ class SlowPolicy(GoodputPolicy):
         return super().decide(bucket, explore)
 
 
+@pytest.mark.slow
 def test_a_decision_stops_at_its_budget_and_the_next_one_goes_on_from_there(
         redis_url: str, redis_prefix: str, sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()

@@ -8,7 +8,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ import pytest
 import redis
 from synthetic_feed import feed
 from test_http import call
+from waiting import wait_until
 
 from controller.service.alerts import AlertConfig, AlertManager, PrometheusSink, RedisStreamSink
 from controller.service.http import OperatorServer
@@ -169,9 +169,7 @@ def test_spectune_sidecar_serves_alerts_and_checks_its_alert_flags(
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: ready.exists() or proc.poll() is not None, 60, "the sidecar to serve (or exit)")
         assert ready.exists(), proc.communicate(timeout=10)[0] if proc.poll() is not None else "not ready"
         url = json.loads(ready.read_text())["url"]
         with urllib.request.urlopen(url + "/alerts?unacked=1", timeout=10) as r:

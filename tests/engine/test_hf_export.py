@@ -94,6 +94,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.slow
 def test_transformers_computes_spectunes_logits(tmp_path: Path) -> None:
     """Every exported model, loaded by HF transformers (vLLM's environment), against spectune's own forward."""
     if not VLLM_PYTHON.exists():

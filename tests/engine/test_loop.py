@@ -119,19 +119,40 @@ def test_record_fields(pair) -> None:
 def test_prefill_is_timed_apart_from_the_round(pair, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # Admission (the target's prefill of new prompts) is the same work whatever k is: it must not land in
     # other_s, where a round that happened to admit requests would make its k look dear to the policy.
-    import time as _time
+    # The engine's clock is replaced by one that ticks TICK_S per reading and jumps PREFILL_S during a prefill,
+    # so every span is known exactly, whatever the machine's load.
+    import time
 
+    import engine.loop as loop_mod
+
+    TICK_S, PREFILL_S = 1e-3, 100.0
+
+    class Clock:
+        """``engine.loop``'s view of the time module: perf_counter is ours, the rest the real one."""
+
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            self.now += TICK_S
+            return self.now
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(time, name)
+
+    clock = Clock()
+    monkeypatch.setattr(loop_mod, "time", clock)
     orig = SpecEngine._prefill_target
 
     def slow(self, rows):  # type: ignore[no-untyped-def]
-        _time.sleep(0.05)
+        clock.now += PREFILL_S
         return orig(self, rows)
 
     monkeypatch.setattr(SpecEngine, "_prefill_target", slow)
     _, recs = _run(pair, lambda t, b, c: 2, max_batch=2, n_new=24)
-    admitting = [r for r in recs if r.prefill_s >= 0.05]
+    admitting = [r for r in recs if r.prefill_s >= PREFILL_S]
     assert admitting and len(admitting) <= len(PROMPTS)  # one admission per prompt at most
-    assert all(r.other_s < 0.05 for r in recs)
+    assert all(r.prefill_s < TICK_S * 10 for r in recs if r not in admitting)  # no prefill: one tick at most
+    assert all(r.other_s < PREFILL_S and r.draft_s < PREFILL_S and r.verify_s < PREFILL_S for r in recs)
     assert all(r.wall_s == pytest.approx(r.draft_s + r.verify_s + r.other_s + r.prefill_s) for r in recs)
 
 
@@ -161,6 +182,7 @@ def _first_tokens_against_target(
     return rec, float(0.5 * (emp - p).abs().sum())
 
 
+@pytest.mark.slow
 def test_sampling_preserves_target_distribution_end_to_end(pair) -> None:
     rec, tv = _first_tokens_against_target(pair, lambda t, b, c: 4, n_types=1, seed=5)
     assert sum(row.accepted for row in rec.rows) > 0
@@ -298,6 +320,7 @@ def test_draft_step_j_runs_only_rows_with_k_above_j(pair) -> None:
     assert widths[1:] == [sum(k > j for k in ks) for j in range(1, max(ks))]
 
 
+@pytest.mark.slow
 def test_mixed_per_row_k_sampling_preserves_target_distribution(pair) -> None:
     # Exactness under packing: rows with k from 0 to 4 share the round; the first token of each row must still
     # follow the target's distribution.

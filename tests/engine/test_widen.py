@@ -58,6 +58,7 @@ def test_widen_state_is_pure_and_rejects_unknown_parameters() -> None:
         ModelConfig(n_layers=1, d_model=32, n_heads=4, ffn_hidden=8, n_kv_heads=3)
 
 
+@pytest.mark.slow
 def test_xl_profile_is_target_v1_widened_4x_with_its_predictions() -> None:
     base = load_checkpoint(TARGET_V1)
     xl = build_target(get_profile("xl"), TARGET_V1, CHECKPOINT_DIR, torch.float32)
@@ -76,6 +77,7 @@ def test_xl_profile_is_target_v1_widened_4x_with_its_predictions() -> None:
         get_profile("huge")
 
 
+@pytest.mark.slow
 def test_greedy_decoding_on_the_xl_target_equals_the_small_target() -> None:
     # Same function, so the same greedy output and the same acceptance with the shared draft.
     draft = load_checkpoint(DRAFT_V1)

@@ -240,7 +240,7 @@ def test_trtllm_max_concurrency_and_validation() -> None:
             TRTLLMSchedulePolicy(**kwargs)  # type: ignore[arg-type]
 
 
-# ------------------------------------------------------------------------------------------- issue 11: state
+# ---------------------------------------------------------------------- learned state: typed, snapshot as rows
 def test_learned_state_is_typed_and_snapshots_as_rows() -> None:
     """Learned state keeps tuple keys and frozen records; JSON rows exist only in snapshot()/restore()."""
     s = SGLangAdaptivePolicy()

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Sequence
 
 import pytest
+from waiting import wait_until
 
 from telemetry.emitter import Emitter, EmitterConfig
 from telemetry.errors import TransportError
 from telemetry.synthetic import synthetic_rounds
 from telemetry.transport import InProcessTransport, RedisConfig, RedisStreamsTransport
 from telemetry.wire import decode_batch
-
-FAST_RECORD_S = 0.001  # record() must stay far below a decode step even when the transport is dead
 
 
 class FlakyTransport(InProcessTransport):
@@ -67,10 +67,8 @@ def test_background_thread_flushes_on_interval_and_when_full() -> None:
     with Emitter(t, EmitterConfig(engine_id="e1", interval_s=0.05, max_rounds_per_window=50)) as em:
         for r in synthetic_rounds(120, seed=2):
             em.record(r)
-        deadline = time.monotonic() + 5
-        while em.stats().windows_sent < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert em.stats().windows_sent >= 1  # the thread sent on its own, before close()
+        # the thread sends on its own, before close()
+        wait_until(lambda: em.stats().windows_sent >= 1, 30, "the emitter's thread to send a window")
     batches = _drain(t)
     assert sum(c.rounds for b in batches for c in b.cost) == 120
     assert [b.seq for b in batches] == sorted({b.seq for b in batches})
@@ -148,19 +146,32 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])  # nothing listens here once the socket closes
 
 
-def test_redis_down_record_stays_fast_and_drops_are_reported() -> None:
+class ThreadRecordingRedis(RedisStreamsTransport):
+    """A Redis transport that notes the thread each publish (the network I/O) runs on."""
+
+    def __init__(self, url: str, config: RedisConfig) -> None:
+        super().__init__(url, config)
+        self.publish_threads: list[int] = []
+
+    def publish(self, payloads: bytes | Sequence[bytes]) -> None:
+        self.publish_threads.append(threading.get_ident())
+        super().publish(payloads)
+
+
+def test_redis_down_record_never_waits_on_the_network_and_drops_are_reported() -> None:
+    # record() stays far below a decode step when Redis is down because it never does I/O: every publish attempt
+    # runs on the emitter's own thread (how long record() takes is a benchmark's figure, not a test's).
     url = f"redis://127.0.0.1:{_closed_port()}/0"
-    t = RedisStreamsTransport(url, RedisConfig(connect_timeout_s=0.2, socket_timeout_s=0.2, backoff_max_s=0.2))
+    t = ThreadRecordingRedis(url, RedisConfig(connect_timeout_s=0.2, socket_timeout_s=0.2, backoff_max_s=0.2))
     em = Emitter(t, EmitterConfig(engine_id="e1", interval_s=0.01, max_buffered_windows=4))
-    worst = 0.0
     for r in synthetic_rounds(400, seed=7):
-        t0 = time.perf_counter()
         em.record(r)
-        worst = max(worst, time.perf_counter() - t0)
-        time.sleep(0.001)
+        time.sleep(0.001)  # paces the rounds like a decode loop: the flush thread builds windows meanwhile
+    wait_until(lambda: em.stats().publish_failures >= 1, 30, "the emitter's thread to fail a publish")
+    before_close = list(t.publish_threads)
     em.close(timeout_s=2)
     s = em.stats()
-    assert worst < FAST_RECORD_S, f"record() took {worst * 1e6:.0f} us with Redis down"
+    assert before_close and threading.get_ident() not in before_close  # the caller's thread never published
     assert s.windows_sent == 0 and s.publish_failures >= 1
     assert s.windows_dropped >= 1 and s.buffered <= 4
     assert s.last_error is not None and "127.0.0.1" in s.last_error

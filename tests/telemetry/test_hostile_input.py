@@ -1,4 +1,4 @@
-"""Hostile input found by the fault probe (issue 14): bucket keys, wire types, table sizes, URL secrets."""
+"""Hostile input at the telemetry boundary: bucket keys, wire types, table sizes, URL secrets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""policy_versions.version is 64-bit (issue 14 item 2), on SQLite and PostgreSQL, with a working downgrade."""
+"""policy_versions.version is 64-bit (a forged or long-lived version counter fits), on SQLite and PostgreSQL,
+with a working downgrade."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from controller.cli import main as spectune
-from controller.engines.vllm.serve import DEFAULT_MODELS_DIR, ensure_models
+from controller.engines.vllm.serve import ensure_models
 from controller.offline import export as ex
 from controller.offline import project as pj
 from telemetry.policy_table import policy_table_from_json
@@ -51,9 +51,10 @@ def _export(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
     return dict(json.loads(capsys.readouterr().out))
 
 
+@pytest.mark.slow
 def test_exported_vllm_config_passes_vllms_own_validation(vllm_python: Path, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    models = ensure_models("small", DEFAULT_MODELS_DIR, say=lambda *_: None)
+    models = ensure_models("small", tmp_path / "models", say=lambda *_: None)  # this test's own export
     configs = {
         "draft_model": _export(capsys, "--draft-model", str(models.draft)),
         "table_only": _export(capsys, "--table-only"),

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 import torch
 from live_server import Server
+from waiting import wait_until
 
 from controller.service.publish import RedisPublisher
 from engine.checkpoint import TARGET_V1, load_checkpoint
@@ -34,6 +36,9 @@ PROMPTS = {
     "structured": ['{"id": 17, "name": "'],
 }
 _versions = itertools.count(1)
+# Every test here talks to the one server (started by the first): `make test` distributes whole files
+# (--dist loadfile), so a parallel run starts it once, on one worker.
+pytestmark = pytest.mark.slow
 
 
 def publish(server: Server, default_k: int, entries: dict[str, int] | None = None) -> int:
@@ -47,13 +52,7 @@ def publish(server: Server, default_k: int, entries: dict[str, int] | None = Non
     return v
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+SHIP_S = 30.0  # deadline for what the server does on its own (windows every 0.25 s, log lines every 1 s)
 
 
 def policy_version(server: Server) -> int | None:
@@ -121,25 +120,32 @@ def test_greedy_output_under_live_k_changes_equals_plain_greedy(vllm_server: Ser
     finally:
         stop.set()
         flipper.join(5)
-    time.sleep(1.0)  # the emitter ships every 0.25 s
-    batches, _ = windows_since(vllm_server, mark)
-    ks_seen = {w.k for b in batches for w in b.acceptance}
-    assert 0 in ks_seen and len(ks_seen - {0}) >= 2, f"k did not change live: {sorted(ks_seen)}"
+
+    def ks_shipped() -> set[int] | None:
+        batches, _ = windows_since(vllm_server, mark)
+        ks = {w.k for b in batches for w in b.acceptance}
+        return ks if 0 in ks and len(ks - {0}) >= 2 else None
+
+    wait_until(ks_shipped, SHIP_S, "windows in Redis showing k changing live (0 and two others)")
 
 
 def test_rounds_reach_redis_as_windows_by_request_type(vllm_server: Server) -> None:
     v = publish(vllm_server, 3)
-    wait_for(lambda: policy_version(vllm_server) == v, 30, "the engine to follow the table")
+    wait_until(lambda: policy_version(vllm_server) == v, SHIP_S, "the engine to follow the table")
     _, mark = windows_since(vllm_server, "-")
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda c: vllm_server.complete(c[1], 48, c[0]),
                       [("code", PROMPTS["code"][0]), ("prose", PROMPTS["prose"][0]), (None, "x = 1\n"),
                        ("structured", PROMPTS["structured"][0])]))
-    time.sleep(1.0)
-    batches, _ = windows_since(vllm_server, mark)
-    assert batches and all(b.engine_id == "vllm-test" for b in batches)
+
+    def every_type_shipped() -> list[WindowBatch] | None:
+        batches, _ = windows_since(vllm_server, mark)
+        types = {w.request_type for b in batches for w in b.acceptance}
+        return batches if types >= {"code", "prose", "structured", "*"} else None  # "*": the request named none
+
+    batches = wait_until(every_type_shipped, SHIP_S, "windows in Redis for every request type")
+    assert all(b.engine_id == "vllm-test" for b in batches)
     acc = [w for b in batches for w in b.acceptance]
-    assert {w.request_type for w in acc} >= {"code", "prose", "structured", "*"}  # "*": the request named none
     assert {(w.target_version, w.draft_version) for w in acc} == {("target-v1", "draft-v1")}
     assert {w.k for w in acc} == {3}
     assert all(w.accepted <= w.drafted == w.rows * 3 for w in acc)
@@ -149,15 +155,19 @@ def test_rounds_reach_redis_as_windows_by_request_type(vllm_server: Server) -> N
 
 def test_the_table_sets_k_per_request_type(vllm_server: Server) -> None:
     v = publish(vllm_server, 2, {"target-v1|draft-v1|code|*|*": 6, "target-v1|draft-v1|prose|*|*": 0})
-    wait_for(lambda: policy_version(vllm_server) == v, 30, "the engine to follow the table")
+    wait_until(lambda: policy_version(vllm_server) == v, SHIP_S, "the engine to follow the table")
     _, mark = windows_since(vllm_server, "-")
     for rtype in ("code", "prose", "structured"):  # one type at a time: each batch is of one type
         vllm_server.complete(PROMPTS[rtype][0], 40, rtype)
-    time.sleep(1.0)
-    batches, _ = windows_since(vllm_server, mark)
-    by_type = {(w.request_type, w.k) for b in batches for w in b.acceptance}
-    assert {("code", 6), ("prose", 0), ("structured", 2)} <= by_type
-    assert not {t for t, k in by_type if (t, k) not in {("code", 6), ("prose", 0), ("structured", 2)}}
+    want = {("code", 6), ("prose", 0), ("structured", 2)}
+
+    def every_type_shipped() -> set[tuple[str, int]] | None:
+        batches, _ = windows_since(vllm_server, mark)
+        by_type = {(w.request_type, w.k) for b in batches for w in b.acceptance}
+        return by_type if want <= by_type else None
+
+    by_type = wait_until(every_type_shipped, SHIP_S, f"windows in Redis for {sorted(want)}")
+    assert not {t for t, k in by_type if (t, k) not in want}
 
 
 def test_a_bad_request_type_is_served_counted_and_reported_as_wildcard(vllm_server: Server) -> None:
@@ -165,10 +175,26 @@ def test_a_bad_request_type_is_served_counted_and_reported_as_wildcard(vllm_serv
     for bad in ("a|b", "x" * 100, ["code", "prose"]):
         res = vllm_server.complete("print(", 8, bad)
         assert len(res["choices"][0]["token_ids"]) == 8
-    wait_for(lambda: vllm_server.statuses()[-1]["bad_request_types"] >= before + 3, 30, "the count")
+    wait_until(lambda: vllm_server.statuses()[-1]["bad_request_types"] >= before + 3, SHIP_S, "the count")
     st = vllm_server.statuses()[-1]
     assert "code" in st["last_bad_request_type"]
     assert 0 < st["overhead_share"] < 1  # measured every step; `spectune bench vllm` reports the figure
+
+
+_DRAFTED_LOGGED = re.compile(r"SpecDecoding metrics:.*\bDrafted: (\d+) tokens")
+_DRAFTED_COUNTED = re.compile(r"^vllm:spec_decode_num_draft_tokens_total(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+
+
+def log_caught_up(server: Server) -> bool:
+    """Every draft token vLLM counted (``/metrics``) is in a ``SpecDecoding metrics`` log line.
+
+    Both figures come from the same per-step statistics; the counter moves at once, the log line follows once per
+    ``VLLM_LOG_STATS_INTERVAL``. The log is read first: a step between the two reads leaves them unequal, and
+    the caller polls again.
+    """
+    logged = sum(int(n) for n in _DRAFTED_LOGGED.findall(server.log.read_text(errors="replace")))
+    counted = sum(float(n) for n in _DRAFTED_COUNTED.findall(server.metrics()))
+    return logged == counted
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -179,17 +205,19 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_real_metrics_scrape_and_log_lines_ingest(vllm_server: Server, tmp_path: Path) -> None:
     """What this vLLM printed and exposed, fed to `spectune ingest`: windows stored, k as drafted."""
     v = publish(vllm_server, 4)
-    wait_for(lambda: policy_version(vllm_server) == v, 30, "the engine to follow the table")
-    time.sleep(1.2)  # let the previous interval's log line go out before the baseline scrape
+    wait_until(lambda: policy_version(vllm_server) == v, SHIP_S, "the engine to follow the table")
+    # the earlier tests' drafts (other k) are all in the log before the baseline, this test's all after it
+    wait_until(lambda: log_caught_up(vllm_server), SHIP_S, "vLLM to log every draft its counters hold")
     scrapes = [(time.time(), vllm_server.metrics())]
     log_start = len(vllm_server.log.read_text(errors="replace").splitlines())
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda p: vllm_server.complete(p, 64, "code"), PROMPTS["code"] + PROMPTS["prose"][:1]))
-    time.sleep(2.5)  # VLLM_LOG_STATS_INTERVAL=1: the interval's SpecDecoding line
+    wait_until(lambda: log_caught_up(vllm_server), SHIP_S, "vLLM to log this test's drafts")
     scrapes.append((time.time(), vllm_server.metrics()))
     prom = tmp_path / "metrics.prom"
     prom.write_text("".join(f"# SCRAPE {ts}\n{text}" for ts, text in scrapes))
-    assert "vllm:spec_decode_num_drafts_created" in scrapes[-1][1]  # the gauges that used to crash the parser
+    # vLLM exposes a `_created` gauge beside each counter: the scrape parser must read past it
+    assert "vllm:spec_decode_num_drafts_created" in scrapes[-1][1]
     lines = [x for x in vllm_server.log.read_text(errors="replace").splitlines()[log_start:]
              if "SpecDecoding metrics:" in x]
     assert lines, "vLLM logged no SpecDecoding metrics line"
