@@ -176,6 +176,23 @@ class RedisMemory(_Sampler):
                 "redis_memory_samples": len(self.samples)}
 
 
+def stream_mb_settled(redis_url: str, windows: str, deadletter: str, after_s: float) -> dict[str, Any]:
+    """The two streams' size ``after_s`` seconds from now (once the sidecar has trimmed what it stored): what stays
+    in Redis after a flood, judged against the product's stated cap."""
+    time.sleep(after_s)
+    r = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=1.0)
+    try:
+        out: dict[str, Any] = {"redis_windows_len_settled": int(r.xlen(windows)),
+               "redis_deadletter_len_settled": int(r.xlen(deadletter))}
+        out["redis_stream_mb_settled"] = round(sum(int(r.memory_usage(k) or 0) for k in (windows, deadletter)) / MB,
+                                               2)
+        return out
+    except (redis.RedisError, OSError):
+        return {"redis_stream_mb_settled": None}
+    finally:
+        r.close()
+
+
 # A request head without the blank line that ends it: never whole, the server must not wait on it for ever.
 SLOW_HEAD = b"GET /health HTTP/1.1\r\nHost: x\r\n"
 TRICKLE_REQUEST = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"  # sent a byte at a time

@@ -201,8 +201,12 @@ class CardinalityGate:
         else:
             grown = pair.buckets(extra_batch=int(w.batch_bucket not in pair.batch), extra_context=new_ctx)
         old = pair.buckets() if vp in self._pairs else 0
-        if self._buckets - old + grown > lim.max_buckets:
-            return TOO_MANY_BUCKETS
+        while self._buckets - old + grown > lim.max_buckets:
+            # Buckets are mostly version pairs (types x batch x context each): the weakest other pair gives way
+            # to a label that earned a place, as under the other caps.
+            if not self._promote_over_buckets(vp, type_evidence if isinstance(w, AcceptanceWindow) and
+                                              w.request_type not in pair.types else pair_evidence):
+                return TOO_MANY_BUCKETS
         self._pairs[vp] = pair
         self._buckets += grown - old
         pair.context.add(w.context_bucket)
@@ -235,6 +239,23 @@ class CardinalityGate:
             for p in self._pairs.values():
                 p.types.discard(value)
             self._evictions.append(Eviction("request_type", request_type=value))
+        self._buckets = sum(p.buckets() for p in self._pairs.values())
+        self.evicted += 1
+        return True
+
+    def _promote_over_buckets(self, keep: VersionPair, evidence: float) -> bool:
+        """Evict the weakest version pair other than ``keep`` when a label with ``evidence`` has earned the buckets
+        it needs."""
+        lim = self.limits
+        if evidence < lim.promote_windows:
+            return False
+        others = [("v", vp) for vp in self._pairs if vp != keep]
+        weakest, weakest_evidence = self._evidence.weakest(others, self._clock)
+        if weakest is None or evidence < lim.promote_ratio * weakest_evidence:
+            return False
+        _, value = cast(tuple[str, Any], weakest)
+        del self._pairs[value]
+        self._evictions.append(Eviction("version_pair", versions=value))
         self._buckets = sum(p.buckets() for p in self._pairs.values())
         self.evicted += 1
         return True

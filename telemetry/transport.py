@@ -29,7 +29,9 @@ from telemetry.urls import redact_url
 DEFAULT_PREFIX = "spectune"
 GROUP = "sidecar"  # the sidecars' consumer group on the windows stream
 PAYLOAD_FIELD = "v"  # stream entries carry one field: the encoded batch
-DEADLETTER_KEEP_BYTES = 64 << 10  # dead letters keep this much of a payload; enough to see what was wrong
+DEADLETTER_KEEP_BYTES = 4 << 10  # dead letters keep this much of a payload (and its full size): enough to see what
+# was wrong, small enough that deadletter_maxlen of them stay a bounded share of a shared Redis
+DEADLETTER_ENTRY_OVERHEAD_BYTES = 512  # reason, source id, size, time and the stream's own bookkeeping, per entry
 
 Entry = tuple[str, bytes]  # (entry id, payload)
 
@@ -241,6 +243,13 @@ class RedisConfig:
     connect_timeout_s: float = 1.0
     backoff_initial_s: float = 0.05  # first wait after a failure before trying Redis again
     backoff_max_s: float = 5.0  # cap of the exponential backoff
+
+    @property
+    def stream_cap_mb(self) -> float:
+        """What a sidecar's streams hold at most once it has read what was sent: the dead letters it keeps (the
+        windows stream is trimmed below what every consumer group acknowledged). Entries nobody has read yet are
+        the writers' backlog, bounded only by ``maxlen`` on their XADD."""
+        return self.deadletter_maxlen * (DEADLETTER_KEEP_BYTES + DEADLETTER_ENTRY_OVERHEAD_BYTES) / (1 << 20)
 
     def __post_init__(self) -> None:
         RedisKeys(self.prefix)  # raises ValueError for a prefix that is no word

@@ -147,3 +147,22 @@ def test_labels_of_equal_traffic_do_not_take_turns_and_candidates_are_bounded() 
         g.admit(acc(f"x{i}"))
     assert g.stats()["candidates"] <= 2 * lim.max_candidates + 1
     assert g.stats()["evicted"] == 0
+
+
+def test_a_full_bucket_cap_gives_way_to_a_label_that_earned_a_place() -> None:
+    """Forged version pairs fill the bucket cap; a real new type of the real pair then needs buckets, and the
+    weakest forged pair is evicted for it, never the real pair."""
+    lim = CardinalityLimits(max_buckets=24, max_version_pairs=16, promote_windows=16)
+    g = CardinalityGate(lim)
+    for _ in range(40):
+        assert g.admit(acc("code")) is None and g.admit(cost(1)) is None and g.admit(cost(2)) is None
+    for i in range(20):  # each forged pair: 1 type x 2 batch buckets
+        g.admit(acc("code", target=f"forged-t{i}"))
+        g.admit(cost(1, target=f"forged-t{i}"))
+        g.admit(cost(2, target=f"forged-t{i}"))
+    assert g.buckets <= lim.max_buckets and g.admit(acc("prose")) == TOO_MANY_BUCKETS
+    answers = [g.admit(acc("prose")) for _ in range(40)]
+    assert answers[-1] is None and g.admit(acc("prose")) is None
+    evicted = g.take_evictions()
+    assert evicted and all(e.versions is not None and e.versions[0].startswith("forged-t") for e in evicted)
+    assert g.admit(acc("code")) is None and g.buckets <= lim.max_buckets
