@@ -70,6 +70,25 @@ def windows_since(server: Server, last_id: str) -> tuple[list[WindowBatch], str]
     return out, (entries[-1][0].decode() if entries else last_id)
 
 
+QUIET_S = 0.75  # three emitter intervals with no new window: the engine has shipped every round it ran
+
+
+def quiet_mark(server: Server) -> str:
+    """The stream's last id once the engine has shipped everything it ran so far (rounds of an earlier test reach
+    Redis up to an emitter interval later): windows after it are of rounds that start after this call."""
+    _, mark = windows_since(server, "-")
+    last_change = time.monotonic()
+
+    def settled() -> str | None:
+        nonlocal mark, last_change
+        batches, newest = windows_since(server, mark)
+        if batches:
+            mark, last_change = newest, time.monotonic()
+        return mark if time.monotonic() - last_change >= QUIET_S else None
+
+    return wait_until(settled, SHIP_S, "the engine to ship the rounds it already ran")
+
+
 def reference_greedy(prompt: str, n: int) -> list[int]:
     """target-v1's greedy continuation by spectune's own forward (no cache, no draft)."""
     model = _reference_model()
@@ -132,7 +151,7 @@ def test_greedy_output_under_live_k_changes_equals_plain_greedy(vllm_server: Ser
 def test_rounds_reach_redis_as_windows_by_request_type(vllm_server: Server) -> None:
     v = publish(vllm_server, 3)
     wait_until(lambda: policy_version(vllm_server) == v, SHIP_S, "the engine to follow the table")
-    _, mark = windows_since(vllm_server, "-")
+    mark = quiet_mark(vllm_server)
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda c: vllm_server.complete(c[1], 48, c[0]),
                       [("code", PROMPTS["code"][0]), ("prose", PROMPTS["prose"][0]), (None, "x = 1\n"),
@@ -156,7 +175,7 @@ def test_rounds_reach_redis_as_windows_by_request_type(vllm_server: Server) -> N
 def test_the_table_sets_k_per_request_type(vllm_server: Server) -> None:
     v = publish(vllm_server, 2, {"target-v1|draft-v1|code|*|*": 6, "target-v1|draft-v1|prose|*|*": 0})
     wait_until(lambda: policy_version(vllm_server) == v, SHIP_S, "the engine to follow the table")
-    _, mark = windows_since(vllm_server, "-")
+    mark = quiet_mark(vllm_server)
     for rtype in ("code", "prose", "structured"):  # one type at a time: each batch is of one type
         vllm_server.complete(PROMPTS[rtype][0], 40, rtype)
     want = {("code", 6), ("prose", 0), ("structured", 2)}
