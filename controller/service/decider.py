@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter as Tally
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,16 +88,6 @@ def apply_pins(entries: dict[str, int], pins: Iterable[Pin]) -> dict[str, int]:
     return out
 
 
-def prefix_of(prefix: str) -> Callable[[str], bool]:
-    """Whether a bucket key is of the version pair ``prefix`` (``"target|draft|"``)."""
-    return lambda key: key.startswith(prefix)
-
-
-def type_of(rtype: str) -> Callable[[str], bool]:
-    """Whether a bucket key is of request type ``rtype``."""
-    return lambda key: parse_bucket_key(key)[2] == rtype
-
-
 class Decider:
     """The policy, the buckets it has seen, and when and how it decides them.
 
@@ -121,9 +111,9 @@ class Decider:
         self._last_traffic: dict[Cell, int] = {}  # cell -> self.decisions when its last cost window came
         # bucket key -> the decision a quiet bucket keeps (taken without exploration): only active cells, new
         # buckets and cells that just went quiet are decided on a publish, so its cost follows the traffic
-        self._kept: dict[str, Decision] = {}
-        self._deferred: list[str] = []  # bucket keys the last decision's budget did not reach: first next time
-        self._last_decision: dict[str, Decision] = {}  # bucket key -> its latest decision (kept when deferred)
+        self._kept: dict[Bucket, Decision] = {}
+        self._deferred: list[Bucket] = []  # buckets the last decision's budget did not reach: first next time
+        self._last_decision: dict[Bucket, Decision] = {}  # bucket -> its latest decision (kept when deferred)
         self._decision_times: deque[float] = deque(maxlen=DECISION_TIMES_KEPT)  # seconds per decision
         self.last_at: float | None = None  # wall-clock seconds of the last decision taken
         self.last_mono: float | None = None
@@ -152,15 +142,16 @@ class Decider:
     def forget(self, request_type: str | None = None, versions: tuple[str, str] | None = None) -> None:
         """An evicted label leaves the buckets and the policy: its entries drop out of the next table.
         Raises what the policy's ``forget`` raises, once the buckets are gone."""
-        gone: Callable[[str], bool]
+        def gone(b: Bucket) -> bool:
+            if versions is not None:
+                return (b.target_version, b.draft_version) == versions
+            return b.request_type == request_type
+
         if versions is not None:
             self._seen.pop(versions, None)
-            gone = prefix_of(f"{versions[0]}|{versions[1]}|")
         else:
-            rtype = request_type or ""
             for seen in self._seen.values():
-                seen.types.discard(rtype)
-            gone = type_of(rtype)
+                seen.types.discard(request_type or "")
         self._kept = {k: d for k, d in self._kept.items() if not gone(k)}
         self._last_decision = {k: d for k, d in self._last_decision.items() if not gone(k)}
         self._deferred = [k for k in self._deferred if not gone(k)]
@@ -244,32 +235,30 @@ class Decider:
         never whether it is published.
         """
         deferred = set(self._deferred)
-        active = {b.key(): self.active(b) for b in buckets}
+        active = {b: self.active(b) for b in buckets}
 
         def need(b: Bucket) -> int:
-            key = b.key()
-            return 0 if key in deferred else 1 if active[key] else 2 if key not in self._last_decision else 3
+            return 0 if b in deferred else 1 if active[b] else 2 if b not in self._last_decision else 3
 
         end = time.perf_counter() + self.config.decide_budget_s
-        decisions: dict[str, Decision] = {}
-        kept: dict[str, Decision] = {}
-        late: list[str] = []
+        decided: dict[Bucket, Decision] = {}
+        kept: dict[Bucket, Decision] = {}
+        late: list[Bucket] = []
         for b in sorted(buckets, key=need):
-            key = b.key()
-            d = None if active[key] else self._kept.get(key)
+            d = None if active[b] else self._kept.get(b)
             if d is None:
                 if time.perf_counter() >= end:
-                    late.append(key)
-                    if (prev := self._last_decision.get(key)) is not None:
-                        decisions[key] = prev
+                    late.append(b)
+                    if (prev := self._last_decision.get(b)) is not None:
+                        decided[b] = prev
                     continue
-                d = self.policy.decide(b, explore=active[key])
-            if not active[key]:
-                kept[key] = d
-            decisions[key] = d
-        decisions = {b.key(): decisions[b.key()] for b in buckets if b.key() in decisions}  # the buckets' order
-        self._kept, self._deferred, self._last_decision = kept, late, decisions
-        return decisions
+                d = self.policy.decide(b, explore=active[b])
+            if not active[b]:
+                kept[b] = d
+            decided[b] = d
+        decided = {b: decided[b] for b in buckets if b in decided}  # the buckets' order
+        self._kept, self._deferred, self._last_decision = kept, late, decided
+        return {b.key(): d for b, d in decided.items()}  # the table's keys (the wire's form)
 
     def active(self, b: Bucket) -> bool:
         """Whether ``b``'s cell had a cost window within the last ``explore_active_decisions`` decisions."""
