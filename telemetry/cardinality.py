@@ -224,10 +224,20 @@ class CardinalityGate:
 
     def _promote(self, label: tuple[str, object], evidence: float) -> bool:
         """Evict the weakest tracked label of ``label``'s kind when ``label`` has earned its place."""
+        return self._evict_weakest(self._tracked(label[0]), evidence)
+
+    def _promote_over_buckets(self, keep: VersionPair, evidence: float) -> bool:
+        """Evict the weakest version pair other than ``keep`` when a label with ``evidence`` has earned the buckets
+        it needs."""
+        return self._evict_weakest([("v", vp) for vp in self._pairs if vp != keep], evidence)
+
+    def _evict_weakest(self, tracked: list[object], evidence: float) -> bool:
+        """Evict the label of ``tracked`` with the least evidence, if ``evidence`` reaches ``promote_windows`` and
+        ``promote_ratio`` times that label's. Returns whether one was evicted."""
         lim = self.limits
         if evidence < lim.promote_windows:
             return False
-        weakest, weakest_evidence = self._evidence.weakest(self._tracked(label[0]), self._clock)
+        weakest, weakest_evidence = self._evidence.weakest(tracked, self._clock)
         if weakest is None or evidence < lim.promote_ratio * weakest_evidence:
             return False
         kind, value = cast(tuple[str, Any], weakest)
@@ -239,23 +249,6 @@ class CardinalityGate:
             for p in self._pairs.values():
                 p.types.discard(value)
             self._evictions.append(Eviction("request_type", request_type=value))
-        self._buckets = sum(p.buckets() for p in self._pairs.values())
-        self.evicted += 1
-        return True
-
-    def _promote_over_buckets(self, keep: VersionPair, evidence: float) -> bool:
-        """Evict the weakest version pair other than ``keep`` when a label with ``evidence`` has earned the buckets
-        it needs."""
-        lim = self.limits
-        if evidence < lim.promote_windows:
-            return False
-        others = [("v", vp) for vp in self._pairs if vp != keep]
-        weakest, weakest_evidence = self._evidence.weakest(others, self._clock)
-        if weakest is None or evidence < lim.promote_ratio * weakest_evidence:
-            return False
-        _, value = cast(tuple[str, Any], weakest)
-        del self._pairs[value]
-        self._evictions.append(Eviction("version_pair", versions=value))
         self._buckets = sum(p.buckets() for p in self._pairs.values())
         self.evicted += 1
         return True

@@ -303,21 +303,6 @@ class Sidecar:
         return self.feed.windows_observed
 
     @property
-    def streams(self) -> dict[str, int]:
-        """Entries per stream, as of the last trim."""
-        return self.feed.streams
-
-    @property
-    def trimmed(self) -> int:
-        """Stream entries trimmed after every consumer group acknowledged them."""
-        return self.feed.trimmed
-
-    @property
-    def evicted(self) -> dict[str, int]:
-        """Labels evicted from the caps by ones with more evidence, per kind."""
-        return self.feed.evicted
-
-    @property
     def rejected(self) -> dict[str, int]:
         """Records refused, per reason."""
         return self.faults.rejected
@@ -355,7 +340,7 @@ class Sidecar:
             out.append("lease_churn")
         if self.feed.caps_hit_recently(now):
             out.append("label_caps")
-        if self.streams.get("unread", 0) > self.config.stream_backlog_degraded:
+        if self.feed.streams.get("unread", 0) > self.config.stream_backlog_degraded:
             out.append("stream_backlog")
         return out
 
@@ -395,9 +380,9 @@ class Sidecar:
             "leader": self.leadership.leads(),
             "lease": None if self.feed.store_feed is None else self.leadership.health(self.feed.store_feed.stats()),
             "tracked": self.feed.gate.stats(),
-            "evicted": dict(self.evicted),
+            "evicted": dict(self.feed.evicted),
             "deciding": self.decider.health(self._decision_overdue()),
-            "streams": {**self.streams, "trimmed": self.trimmed},
+            "streams": {**self.feed.streams, "trimmed": self.feed.trimmed},
             "alerts": self.feed.alerts_health(),
             "uptime_s": round(time.time() - self.started_at, 3),
         }
