@@ -1,6 +1,12 @@
-"""Tiny random models in float64: exactness tests need no trained weights, and float64 keeps argmax ties away."""
+"""Tiny random models in float64: exactness tests need no trained weights, and float64 keeps argmax ties away.
+
+``SPECTUNE_TEST_DEVICE=cuda`` puts the shared pair on the GPU, so the loop's exactness tests run there too (the
+device check in ``bench/device_check.sh`` does this); the default is the CPU.
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -22,7 +28,8 @@ def make_pair(
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(noise * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return target.eval(), draft.eval()
+    dev = torch.device(os.environ.get("SPECTUNE_TEST_DEVICE", "cpu"))
+    return target.to(dev).eval(), draft.to(dev).eval()
 
 
 @pytest.fixture(scope="session", params=["tiny", "tiny-gqa"])

@@ -158,8 +158,8 @@ def test_prefill_is_timed_apart_from_the_round(pair, monkeypatch) -> None:  # ty
 
 @torch.no_grad()
 def _target_first_token_probs(target: Transformer, prompt: bytes) -> torch.Tensor:
-    toks = torch.tensor([[BOS_ID, *prompt]])
-    return torch.softmax(target(toks)[0, -1].double(), -1)
+    toks = torch.tensor([[BOS_ID, *prompt]], device=next(target.parameters()).device)
+    return torch.softmax(target(toks)[0, -1].double(), -1).cpu()
 
 
 def _first_tokens_against_target(
