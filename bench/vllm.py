@@ -56,6 +56,11 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "vllm.json"
 STATIC = ("k0", "k3", "k5")
 CONFIGS = (*STATIC, "tuned", "spectune")
+# Opt-in (--configs): vLLM with the draft loaded and k = 0 every step. vLLM's draft_model proposer runs the draft
+# over every scheduled token even at k = 0, to keep the draft's KV cache in step, so this is the fastest any
+# server that can speculate runs where speculation does not pay: spectune's floor, against k0's no-draft server.
+K0_DRAFT = "k0_draft"
+ALL_CONFIGS = (*STATIC, K0_DRAFT, "tuned", "spectune")
 STATIC_K = {"k0": 0, "k3": 3, "k5": 5}
 K_MAX = 5  # spectune's choices: 0..5, every static k measured here among them
 READY_S = 600.0
@@ -89,9 +94,9 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.phase_s <= 0 or not self.concurrency or min(self.concurrency) < 1:
             raise ValueError("--repeats >= 1, --phase-s > 0 and concurrencies >= 1, please")
-        unknown = set(self.configs) - set(CONFIGS)
+        unknown = set(self.configs) - set(ALL_CONFIGS)
         if unknown:
-            raise ValueError(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
+            raise ValueError(f"unknown configurations {sorted(unknown)}; choose from {ALL_CONFIGS}")
 
     def phases(self) -> list[LoadPhase]:
         return [LoadPhase(f"{i + 1}:c{c}", c, self.phase_s, self.long_fraction)
@@ -158,6 +163,17 @@ def verdict(per_config: dict[str, dict[str, Any]]) -> dict[str, Any]:
             worst.append(mine / best if mine is not None and best else None)
         r["tpot_p99_over_best_static_by_phase"] = worst
         out[name] = r
+    if K0_DRAFT in per_config and "k0" in per_config:
+        # What a server that can speculate pays where it does not: the floor under spectune, phase by phase, and
+        # the ceiling such a server can reach (per phase the best of k0_draft and the static k > 0).
+        ph = {c: per_config[c]["phases"] for c in per_config}
+        out["k0_draft_over_k0_by_phase"] = [ph[K0_DRAFT][i]["tok_s"] / ph["k0"][i]["tok_s"] for i in range(n)]
+        if "spectune" in per_config:
+            out["spectune_over_k0_draft_by_phase"] = [ph["spectune"][i]["tok_s"] / ph[K0_DRAFT][i]["tok_s"]
+                                                      for i in range(n)]
+        spec_servers = [c for c in (K0_DRAFT, *STATIC) if c in per_config and c != "k0"]
+        reach = sum(max(ph[c][i]["tok_s"] for c in spec_servers) * secs[i] for i in range(n)) / sum(secs)
+        out["ceiling_with_the_draft_loaded_over_best_static"] = reach / overall_of[best_single]
     s = out.get("spectune")
     if s is not None and "over_k3" in s and "over_k5" in s:
         need_k3 = min(1.05, 1 + 0.6 * (out["ceiling_over_k3"] - 1))
@@ -229,10 +245,12 @@ def server_configs(cfg: BenchConfig, prefix: str, schedule: tuple[tuple[int, int
     base = VllmServeConfig(profile=cfg.profile, models_dir=DEFAULT_MODELS_DIR, vllm_python=DEFAULT_VLLM_VENV /
                            "bin" / "python", extra_args=extra, redis_url=None)
     out: dict[str, VllmServeConfig] = {}
-    for i, name in enumerate(CONFIGS):
+    for i, name in enumerate(ALL_CONFIGS):
         port = cfg.port_base + i
         if name == "k0":
             out[name] = replace(base, port=port, speculate=False)
+        elif name == K0_DRAFT:
+            out[name] = replace(base, port=port, k_max=K_MAX, fixed_k=0)
         elif name in STATIC_K:
             out[name] = replace(base, port=port, steer=False, k_max=STATIC_K[name])
         elif name == "tuned":
@@ -402,6 +420,8 @@ def cfg_args(cfg: BenchConfig) -> list[str]:
             out += [f"--{name.replace('_', '-')}", str(v)]
     if cfg.concurrency != d.concurrency:
         out += ["--concurrency", ",".join(map(str, cfg.concurrency))]
+    if cfg.configs != d.configs:
+        out += ["--configs", ",".join(cfg.configs)]
     out += [] if cfg.eager else ["--compile"]
     out += ["--restart"] if cfg.restart else []
     return out
@@ -475,6 +495,11 @@ def table(doc: dict[str, Any]) -> None:
             print(f"{name}: {r['over_best_static']:.3f}x best static, {r.get('over_k3', 0):.3f}x k3, "
                   f"{r.get('over_k5', 0):.3f}x k5; share of k3 headroom {r.get('share_of_k3_headroom')}, "
                   f"TPOT p99 / phase best {[round(w, 2) if w else None for w in r['tpot_p99_over_best_static_by_phase']]}")  # noqa: E501
+    if "k0_draft_over_k0_by_phase" in v:
+        print(f"k0_draft (draft loaded, k=0) over k0 by phase {[round(x, 3) for x in v['k0_draft_over_k0_by_phase']]}; "
+              f"ceiling with the draft loaded {v['ceiling_with_the_draft_loaded_over_best_static']:.3f}x best static")
+        if "spectune_over_k0_draft_by_phase" in v:
+            print(f"spectune over k0_draft by phase {[round(x, 3) for x in v['spectune_over_k0_draft_by_phase']]}")
     for k, ok in (v.get("targets") or {}).items():
         print(f"  {'met ' if ok else 'MISS'} {k}")
     if doc.get("spectune_scheduler"):

@@ -57,3 +57,21 @@ def test_the_ceiling_and_spectunes_share_of_it() -> None:
     assert v["targets"] == {"spectune_over_best_static >= 1.0": True, f"spectune_over_k3 >= {need:.4f}": True,
                             "spectune_over_k5 >= 1.15": True,
                             "tpot_p99 <= 1.10 x phase's best static in every phase": True}
+
+
+def test_the_floor_of_a_server_with_the_draft_loaded() -> None:
+    # k0_draft: the draft loaded, k = 0 each step. Slower than k0 (no draft) where speculation does not pay, it
+    # bounds what any server that can speculate reaches there.
+    per = {
+        "k0": [ph(40, 0.02), ph(400, 0.08)],
+        "k3": [ph(80, 0.02), ph(380, 0.09)],
+        "k0_draft": [ph(38, 0.02), ph(360, 0.09)],
+        "spectune": [ph(78, 0.021), ph(358, 0.085)],
+    }
+    cfg = {c: {"phases": p, "overall_tok_s": overall(p)} for c, p in per.items()}
+    v = verdict(cfg)
+    assert v["best_static_per_phase"] == ["k3", "k0"]  # k0_draft is not a static baseline
+    assert v["k0_draft_over_k0_by_phase"] == pytest.approx([38 / 40, 360 / 400])
+    assert v["spectune_over_k0_draft_by_phase"] == pytest.approx([78 / 38, 358 / 360])
+    # per phase the best of k3 and k0_draft: 80 and 380, over the best single static (k3, 230)
+    assert v["ceiling_with_the_draft_loaded_over_best_static"] == pytest.approx(230 / 230)
