@@ -17,7 +17,7 @@ import torch
 def main(out: Path) -> int:
     from transformers import AutoModelForCausalLM
 
-    from engine.checkpoint import CHECKPOINT_DIR, build_target, load_checkpoint
+    from engine.checkpoint import profile_model
     from engine.hf_export import export_profile
     from engine.profiles import get_profile
 
@@ -28,9 +28,7 @@ def main(out: Path) -> int:
         for m in export_profile(prof, out / prof):
             info = json.loads((m.path / "spectune.json").read_text())
             for dtype in (torch.float32, torch.bfloat16):
-                ours = (load_checkpoint(info["checkpoint"]).to(dtype) if info["role"] == "draft"
-                        else build_target(get_profile(prof), info["checkpoint"], CHECKPOINT_DIR, dtype))
-                ours = ours.to("cuda").eval()
+                ours = profile_model(get_profile(prof), info["checkpoint"], dtype=dtype).to("cuda")
                 hf = AutoModelForCausalLM.from_pretrained(m.path, dtype=dtype).to("cuda").eval()
                 with torch.no_grad():
                     a, b = hf(ids).logits.float(), ours(ids).float()  # [1, T, V]

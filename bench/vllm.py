@@ -133,8 +133,12 @@ def verdict(per_config: dict[str, dict[str, Any]]) -> dict[str, Any]:
     n = len(phases)
     best_static_phase = [max(statics, key=lambda c: per_config[c]["phases"][i]["tok_s"]) for i in range(n)]
     secs = [phases[i]["seconds"] for i in range(n)]
-    per_phase_best = sum(per_config[best_static_phase[i]]["phases"][i]["tok_s"] * secs[i] for i in range(n)) / sum(
-        secs)
+
+    def best_per_phase(names: Sequence[str]) -> float:
+        """tok/s over the whole load when each phase runs the fastest of ``names``."""
+        return sum(max(per_config[c]["phases"][i]["tok_s"] for c in names) * secs[i] for i in range(n)) / sum(secs)
+
+    per_phase_best = best_per_phase(statics)
     overall_of = {c: v["overall_tok_s"] for c, v in per_config.items()}
     best_single = max(statics, key=lambda c: overall_of[c])
     out: dict[str, Any] = {
@@ -166,14 +170,14 @@ def verdict(per_config: dict[str, dict[str, Any]]) -> dict[str, Any]:
     if K0_DRAFT in per_config and "k0" in per_config:
         # What a server that can speculate pays where it does not: the floor under spectune, phase by phase, and
         # the ceiling such a server can reach (per phase the best of k0_draft and the static k > 0).
-        ph = {c: per_config[c]["phases"] for c in per_config}
-        out["k0_draft_over_k0_by_phase"] = [ph[K0_DRAFT][i]["tok_s"] / ph["k0"][i]["tok_s"] for i in range(n)]
+        def over(a: str, b: str) -> list[float]:
+            return [per_config[a]["phases"][i]["tok_s"] / per_config[b]["phases"][i]["tok_s"] for i in range(n)]
+
+        out["k0_draft_over_k0_by_phase"] = over(K0_DRAFT, "k0")
         if "spectune" in per_config:
-            out["spectune_over_k0_draft_by_phase"] = [ph["spectune"][i]["tok_s"] / ph[K0_DRAFT][i]["tok_s"]
-                                                      for i in range(n)]
+            out["spectune_over_k0_draft_by_phase"] = over("spectune", K0_DRAFT)
         spec_servers = [c for c in (K0_DRAFT, *STATIC) if c in per_config and c != "k0"]
-        reach = sum(max(ph[c][i]["tok_s"] for c in spec_servers) * secs[i] for i in range(n)) / sum(secs)
-        out["ceiling_with_the_draft_loaded_over_best_static"] = reach / overall_of[best_single]
+        out["ceiling_with_the_draft_loaded_over_best_static"] = best_per_phase(spec_servers) / overall_of[best_single]
     s = out.get("spectune")
     if s is not None and "over_k3" in s and "over_k5" in s:
         need_k3 = min(1.05, 1 + 0.6 * (out["ceiling_over_k3"] - 1))

@@ -40,6 +40,15 @@ def build_target(profile: Profile, checkpoint: str, directory: Path, dtype: torc
     return (widen(base, profile.widen) if profile.widen > 1 else base).to(dtype).eval()
 
 
+def profile_model(profile: Profile, checkpoint: str, directory: Path = CHECKPOINT_DIR,
+                  dtype: torch.dtype = torch.float32) -> Transformer:
+    """A profile's model by checkpoint name: the draft as trained (every profile shares it), a target as
+    :func:`build_target` makes it."""
+    if checkpoint == DRAFT_V1:
+        return load_checkpoint(checkpoint, directory, dtype).eval()
+    return build_target(profile, checkpoint, directory, dtype)
+
+
 def describe_profiles(checkpoint_config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Manifest entries for the derived models: what each profile's target is, its shape and parameter count.
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.checkpoint import CHECKPOINT_DIR, DRAFT_V1, MANIFEST, TARGET_V1, TARGET_V2, build_target, load_checkpoint
+from engine.checkpoint import CHECKPOINT_DIR, DRAFT_V1, MANIFEST, TARGET_V1, TARGET_V2, profile_model
 from engine.model import BOS_ID, EOS_ID, Transformer
 from engine.profiles import Profile, get_profile
 
@@ -185,8 +185,7 @@ def export_profile(profile: str | Profile, out_dir: Path, checkpoint_dir: Path =
     done: list[ExportedModel] = []
     for name in (TARGET_V1, *((TARGET_V2,) if with_update else ()), DRAFT_V1):
         is_draft = name == DRAFT_V1
-        model = load_checkpoint(name, checkpoint_dir) if is_draft else build_target(
-            prof, name, checkpoint_dir, torch.float32)
+        model = profile_model(prof, name, checkpoint_dir)
         version = name if is_draft else prof.target_version(name)
         trained = manifest.get(name, {})
         if is_draft or prof.widen == 1:

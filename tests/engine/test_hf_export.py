@@ -68,7 +68,7 @@ CHECK = r"""
 import json, sys, torch
 from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from engine.checkpoint import CHECKPOINT_DIR, build_target, load_checkpoint
+from engine.checkpoint import profile_model
 from engine.hf_export import export_profile
 from engine.profiles import get_profile
 
@@ -82,8 +82,7 @@ for prof in ("small", "xl"):
         ids = tok(text)["input_ids"]
         res["tokenizer_ok"] = ids == [256, *text.encode()] and tok.decode(ids[1:]) == text
         info = json.loads((m.path / "spectune.json").read_text())
-        ours = (load_checkpoint(info["checkpoint"]) if info["role"] == "draft"
-                else build_target(get_profile(prof), info["checkpoint"], CHECKPOINT_DIR, torch.float32))
+        ours = profile_model(get_profile(prof), info["checkpoint"])
         hf = AutoModelForCausalLM.from_pretrained(m.path, dtype=torch.float32).eval()
         x = torch.tensor([ids])
         with torch.no_grad():

@@ -26,6 +26,11 @@ def ph(tok_s: float, p99: float, secs: float = 10.0) -> dict[str, Any]:
             "tpot_p50": p99 / 2, "tpot_p99": p99}
 
 
+def _configs(per: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per configuration, its phases and overall tok/s, as ``run`` hands them to ``verdict``."""
+    return {c: {"phases": p, "overall_tok_s": overall(p)} for c, p in per.items()}
+
+
 def test_medians_over_repeats_per_phase() -> None:
     runs = [[ph(10, 0.1), ph(50, 0.3)], [ph(12, 0.2), ph(40, 0.1)], [ph(11, 0.4), ph(45, 0.2)]]
     m = median_runs(runs)
@@ -42,8 +47,7 @@ def test_the_ceiling_and_spectunes_share_of_it() -> None:
         "k5": [ph(100, 0.02), ph(300, 0.12)],
         "spectune": [ph(95, 0.021), ph(395, 0.085)],
     }
-    cfg = {c: {"phases": p, "overall_tok_s": overall(p)} for c, p in per.items()}
-    v = verdict(cfg)
+    v = verdict(_configs(per))
     assert v["best_static_per_phase"] == ["k5", "k0"]
     assert v["best_single_static"] == "k3"  # 230 tok/s over both phases, k0 220, k5 200
     assert v["ceiling_over_best_static"] == pytest.approx(250 / 230)
@@ -68,8 +72,7 @@ def test_the_floor_of_a_server_with_the_draft_loaded() -> None:
         "k0_draft": [ph(38, 0.02), ph(360, 0.09)],
         "spectune": [ph(78, 0.021), ph(358, 0.085)],
     }
-    cfg = {c: {"phases": p, "overall_tok_s": overall(p)} for c, p in per.items()}
-    v = verdict(cfg)
+    v = verdict(_configs(per))
     assert v["best_static_per_phase"] == ["k3", "k0"]  # k0_draft is not a static baseline
     assert v["k0_draft_over_k0_by_phase"] == pytest.approx([38 / 40, 360 / 400])
     assert v["spectune_over_k0_draft_by_phase"] == pytest.approx([78 / 38, 358 / 360])
