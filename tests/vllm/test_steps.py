@@ -7,6 +7,7 @@ import json
 import pytest
 
 from controller.engines.vllm.steps import (
+    PrefillCost,
     RowAtSchedule,
     RowOutcome,
     VllmSpectuneConfig,
@@ -126,6 +127,58 @@ def test_a_prefill_only_step_is_no_round() -> None:
     assert b.round_record(rows, schedule_s=0.001, model_s=0.01, update_s=0.001, prefill_tokens=300,
                           total_tokens=300, timestamp=1.0e9) is None
     assert b.counters.steps == 1 and b.counters.rounds == 0
+
+
+def test_prefill_cost_fits_the_marginal_seconds_per_prompt_token() -> None:
+    c = PrefillCost(decay=1.0, min_samples=4)
+    for n in (100, 1400, 300, 900):
+        assert c.per_token() is None  # not before min_steps
+        c.add(n, 0.030 + 2e-4 * n)  # 30 ms fixed (weights read, drafter passes) + 0.2 ms per prompt token
+    assert c.per_token() == pytest.approx(2e-4)
+    assert c.split(0.100, 10, 14) == pytest.approx(2e-3)  # a 10-token chunk beside 4 decode tokens: 2 ms, not 71 ms
+    assert c.split(0.010, 1400, 1404) == pytest.approx(0.010 * 1400 / 1404)  # never above the token share
+    assert c.split(0.100, 0, 4) == 0.0
+
+
+@pytest.mark.parametrize("lengths", [(500, 500, 500, 500), (500, 400, 300, 200)])
+def test_prefill_cost_without_a_slope_falls_back_to_the_token_share(lengths: tuple[int, ...]) -> None:
+    c = PrefillCost(decay=1.0, min_samples=4)
+    for i, n in enumerate(lengths):
+        c.add(n, 0.1 + 0.001 * i)  # one length, or longer prompts no slower: nothing to fit
+    assert c.per_token() is None
+    assert c.split(0.040, 500, 512) == pytest.approx(0.040 * 500 / 512)
+
+
+def test_under_constant_load_the_slope_comes_from_mixed_steps_over_decode_only_ones() -> None:
+    c = PrefillCost(decay=1.0, min_samples=4, baseline_alpha=0.5)
+    for rows, k, base in ((4, 3, 0.060), (4, 0, 0.040), (16, 3, 0.150)):
+        c.add_step(rows, k, 0, base)  # decode-only steps set each (rows, k) baseline
+    c.add_step(8, 3, 500, 1.0)  # no baseline for (8, 3): not a sample
+    for rows, k, base, n in ((4, 3, 0.060, 100), (4, 0, 0.040, 1400), (16, 3, 0.150, 300), (4, 3, 0.060, 900)):
+        assert c.per_token() is None
+        c.add_step(rows, k, n, base + 0.005 + 2e-4 * n)  # the new row's first drafts (5 ms) + 0.2 ms per token
+    assert c.mixed.samples == 4 and c.prefill_only.samples == 0
+    assert c.per_token() == pytest.approx(2e-4)
+    for n in (100, 1400, 300, 900):
+        c.add(n, 0.030 + 3e-4 * n)
+    assert c.per_token() == pytest.approx(3e-4)  # prefill-only steps, once there are enough, are preferred
+
+
+def test_prefill_only_steps_teach_the_bridge_what_a_prompt_token_costs_in_a_mixed_step() -> None:
+    b = bridge()
+    for n in (100, 1400, 300, 900, 200, 600, 1200, 50):
+        assert b.round_record([(RowAtSchedule("code", n, False, 0), None)], schedule_s=1e-4,
+                              model_s=0.030 + 2e-4 * n, update_s=1e-4, prefill_tokens=n, total_tokens=n,
+                              timestamp=1.0e9) is None
+    rows = [(RowAtSchedule("code", 100 + i, True, 5), RowOutcome(3, 4, 9)) for i in range(4)]
+    rows.append((RowAtSchedule("prose", 1400, False, 0), RowOutcome(0, 1, 1)))
+    r = b.round_record(rows, schedule_s=1e-4, model_s=0.400, update_s=1e-4, prefill_tokens=1400,
+                       total_tokens=1416, timestamp=1.0e9)
+    assert r is not None
+    check_round(r)
+    assert r.prefill_s == pytest.approx(0.280)  # 1400 x 0.2 ms; the token split would say 0.396 s
+    assert r.verify_s == pytest.approx(0.120)  # the decoding rows keep the step's fixed cost and their own
+    assert b.status()["prefill_s_per_token"] == pytest.approx(2e-4)
 
 
 def test_k_zero_rows_are_plain_decoding_rounds() -> None:

@@ -19,8 +19,14 @@ mid-draft). Rows still prefilling are not rows of the round. Times, from the sch
 - ``verify_s``: from the end of ``schedule()`` to the start of ``update_from_output()``: the worker's whole
   forward, which in vLLM is the target's verification *and* the draft proposals for the next step (one call, so
   the two are not separable from the scheduler; ``draft_s`` is 0 and cost models see their sum);
-- ``prefill_s``: the share of that forward spent on prompt tokens, split by token count (prefill work is
-  token-parallel and a step's prompt tokens are most of its tokens when present);
+- ``prefill_s``: the part of that forward spent on prompt tokens. It is the *marginal* prompt cost: the slope
+  of seconds over prompt tokens, learned online by :class:`PrefillCost` (from prefill-only steps or, under
+  constant load, from mixed steps' excess over decode-only ones), times this step's prompt tokens, capped at
+  the prompt tokens' share of the step's tokens. Until a slope is known, the step is split by token count.
+  Why not the token split alone: a prompt of 1,400 tokens beside four decoding rows would take 99% of the step,
+  so the decoding rows' tokens would look almost free, and more free tokens at a larger k make a larger k look
+  better than it is. The step's fixed cost (the target's weights read once, the drafter's k sequential passes)
+  belongs to the decoding rows, which pay it with or without the prompt;
 - ``other_s``: the scheduler's own work, ``schedule()`` plus ``update_from_output()``.
 
 Nothing here imports vLLM or torch; :mod:`controller.engines.vllm.scheduler` feeds it plain values.
@@ -172,6 +178,95 @@ class BridgeCounters:
     k_counts: dict[int, int] | None = None  # steps per chosen k
 
 
+class _LineFit:
+    """y = a + b x by least squares with exponential forgetting (``decay`` of the past kept per sample)."""
+
+    def __init__(self, decay: float, min_samples: int) -> None:
+        self.decay = decay
+        self.min_samples = min_samples
+        self.samples = 0
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._x = self._x * d + x
+        self._y = self._y * d + y
+        self._xx = self._xx * d + x * x
+        self._xy = self._xy * d + x * y
+        self.samples += 1
+
+    def slope(self) -> float | None:
+        """b, or None before ``min_samples`` samples, when the x's barely differ, or when b <= 0."""
+        if self.samples < self.min_samples:
+            return None
+        w = self._w
+        mean_x = self._x / w
+        var_x = self._xx / w - mean_x * mean_x
+        if var_x <= (0.05 * mean_x) ** 2:  # (nearly) one x: no slope to fit
+            return None
+        b = (self._xy / w - mean_x * self._y / w) / var_x
+        return b if b > 0.0 else None
+
+
+class PrefillCost:
+    """What one more prompt token adds to a vLLM step's forward, learned online from the steps themselves.
+
+    Two estimates of the same slope (seconds per prompt token), the first preferred:
+
+    - **prefill-only steps**: seconds = fixed + slope x prompt tokens, fitted over steps without decoding rows;
+    - **mixed steps**, for engines that never run a prefill-only step (constant load): the step's seconds above
+      the decode-only steps of the same (decoding rows, k), fitted against its prompt tokens. The decode-only
+      baseline is a moving average per (rows, k).
+
+    Only the slope is used: in a mixed step the fixed part belongs to the decoding rows, which pay it anyway.
+
+    Args:
+        decay: weight kept by the past per new sample (0.99: about the last 100 samples).
+        min_samples: samples before a slope is trusted.
+        baseline_alpha: weight of a new decode-only step in its (rows, k) average.
+    """
+
+    def __init__(self, decay: float = 0.99, min_samples: int = 8, baseline_alpha: float = 0.1) -> None:
+        if not 0.0 < decay <= 1.0 or min_samples < 2 or not 0.0 < baseline_alpha <= 1.0:
+            raise ValueError("PrefillCost needs 0 < decay <= 1, min_samples >= 2 and 0 < baseline_alpha <= 1")
+        self.prefill_only = _LineFit(decay, min_samples)
+        self.mixed = _LineFit(decay, min_samples)
+        self.baseline_alpha = baseline_alpha
+        self._decode_s: dict[tuple[int, int], float] = {}  # (decoding rows, k) -> seconds of a decode-only step
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """A prefill-only step: ``tokens`` prompt tokens in ``seconds`` of forward."""
+        if tokens > 0 and seconds > 0.0:
+            self.prefill_only.add(float(tokens), seconds)
+
+    def add_step(self, rows: int, k: int, tokens: int, seconds: float) -> None:
+        """A step with ``rows`` decoding rows at ``k`` (and ``tokens`` prompt tokens, 0 for a decode-only step)."""
+        if not seconds > 0.0 or rows <= 0:
+            return
+        key = (rows, k)
+        base = self._decode_s.get(key)
+        if tokens <= 0:
+            a = self.baseline_alpha
+            self._decode_s[key] = seconds if base is None else base + a * (seconds - base)
+        elif base is not None:
+            self.mixed.add(float(tokens), seconds - base)
+
+    def per_token(self) -> float | None:
+        """Seconds per extra prompt token (None until either fit has a slope)."""
+        b = self.prefill_only.slope()
+        return b if b is not None else self.mixed.slope()
+
+    def split(self, model_s: float, prefill_tokens: int, total_tokens: int) -> float:
+        """The prompt part of a step's ``model_s``: slope x prompt tokens, at most the prompt's token share (the
+        token share itself while no slope is known)."""
+        if prefill_tokens <= 0 or total_tokens <= 0:
+            return 0.0
+        share = model_s * min(1.0, prefill_tokens / total_tokens)
+        slope = self.per_token()
+        return share if slope is None else min(share, slope * prefill_tokens)
+
+
 class VllmStepBridge:
     """The per-step logic of :class:`~controller.engines.vllm.scheduler.SpectuneScheduler`, without vLLM.
 
@@ -195,6 +290,7 @@ class VllmStepBridge:
         self._decide = self.client.decide
         self._types: set[str] = set()
         self.counters = BridgeCounters(k_counts={})
+        self.prefill_cost = PrefillCost()
         self._round_index = 0
         self._report = report
         self._stop = threading.Event()
@@ -276,15 +372,18 @@ class VllmStepBridge:
             emitted = max(0, min(res.outputs_after - at.outputs_before, accepted + 1))
             out.append(RowRecord(at.request_type, at.context_len, k, accepted, emitted))
         if not out:
+            if prefill_tokens > 0 and prefill_tokens == total_tokens:
+                self.prefill_cost.add(prefill_tokens, model_s)
             return None
-        share = prefill_tokens / total_tokens if total_tokens > 0 else 0.0
         max_k = max(r.k for r in out)
+        self.prefill_cost.add_step(len(out), max_k, prefill_tokens, model_s)
+        prefill_s = self.prefill_cost.split(model_s, prefill_tokens, total_tokens)
         self._round_index += 1
         c.rounds += 1
         return RoundRecord(
             round_index=self._round_index, batch_size=len(out), max_k=max_k,
-            tokens_verified=sum(r.k + 1 for r in out), draft_s=0.0, verify_s=model_s * (1.0 - share),
-            other_s=schedule_s + update_s, prefill_s=model_s * share,
+            tokens_verified=sum(r.k + 1 for r in out), draft_s=0.0, verify_s=model_s - prefill_s,
+            other_s=schedule_s + update_s, prefill_s=prefill_s,
             target_version=self.config.target_version, draft_version=self.config.draft_version,
             rows=tuple(out), timestamp=timestamp,
         )
@@ -309,6 +408,8 @@ class VllmStepBridge:
             "k_counts": {str(k): n for k, n in sorted(dict(c.k_counts or {}).items())},  # copied: steps add keys
             "added_s": c.added_s, "step_s": c.step_s, "model_s": c.model_s,
             "overhead_share": c.added_s / c.step_s if c.step_s > 0 else 0.0,
+            "prefill_only_steps": self.prefill_cost.prefill_only.samples,
+            "mixed_steps_fitted": self.prefill_cost.mixed.samples, "prefill_s_per_token": self.prefill_cost.per_token(),
             "rows_skipped": c.rows_skipped, "bad_request_types": c.bad_request_types,
             "folded_request_types": c.folded_request_types, "last_bad_request_type": c.last_bad_request_type,
             "request_types": sorted(set(self._types)), "last_status_error": c.last_status_error,
