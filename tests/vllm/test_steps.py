@@ -63,10 +63,21 @@ def test_choose_k_asks_the_table_per_row_and_applies_the_batch_rule() -> None:
     rows = [RowAtSchedule("code", 100, True, 10)] * 3 + [RowAtSchedule("prose", 3000, True, 10)] * 2
     assert b.choose_k(rows, 5) == 1  # fail-static: every row answers default_k
     b.client.apply(PolicyTable(version=1, default_k=1, k_max=8, entries={
-        "target-v1|draft-v1|code|8|<=512": 6, "target-v1|draft-v1|prose|*|*": 0}))
+        "target-v1|draft-v1|code|8|<=8192": 6, "target-v1|draft-v1|prose|*|*": 0}))
     assert b.choose_k(rows, 5) == 6  # code holds 3 of 5 rows at batch bucket 8
     assert b.choose_k(rows[:2] + rows[3:], 4) == 0  # 2 code rows at bucket 4 (default 1), 2 prose rows (0)
     assert b.counters.k_counts == {1: 1, 6: 1, 0: 1}
+
+
+def test_every_row_asks_at_the_steps_longest_context_the_cell_its_round_is_costed_in() -> None:
+    """A round's cost lands in the cell of its longest context, so that cell chooses the batch's k: short rows
+    beside one long prompt do not run the short cell's k."""
+    b = bridge(default_k=2)
+    b.client.apply(PolicyTable(version=1, default_k=2, k_max=8, entries={
+        "target-v1|draft-v1|code|16|<=512": 0, "target-v1|draft-v1|code|16|<=2048": 4}))
+    short = [RowAtSchedule("code", 300, True, 40)] * 15
+    assert b.choose_k(short, 15) == 0  # every row short: the short cell
+    assert b.choose_k([*short, RowAtSchedule("code", 1400, False, 0)], 16) == 4  # one long prompt: the long cell
 
 
 def test_fixed_k_follows_no_table_and_k_never_exceeds_k_max() -> None:

@@ -4,12 +4,19 @@ vLLM (0.32 on) drafts one k for the whole batch each step (``SchedulerOutput.num
 drafter proposes that many tokens for every running request, verified in the next step). spectune's table holds
 a k per row bucket (request type, batch size, context length), so the batch's k is derived from its rows:
 
-**The batch rule.** Every decoding row of the step asks the table for its k (the same lookup the reference
-engine makes per row); the batch runs the **lower median** of those answers. At least half of the rows asked for
-this k or more and at least half for this k or less, so no minority type steers the batch; between two middle
-values the smaller wins, because a larger k costs every row's verification while only some rows gain from it.
-In a batch of one type this is that type's k; in a mixed batch it is the dominant type's k whenever that type
-holds more than half of the rows.
+**The batch rule.** Every row of the step asks the table for its k, for its own request type but at the
+*step's* batch size and the *step's* context: the longest context among the scheduled rows. The batch runs the
+**lower median** of those answers. At least half of the rows asked for this k or more and at least half for this
+k or less, so no minority type steers the batch; between two middle values the smaller wins, because a larger k
+costs every row's verification while only some rows gain from it. In a batch of one type this is that type's k;
+in a mixed batch it is the dominant type's k whenever that type holds more than half of the rows.
+
+Why the step's context and not each row's own: a round's cost is learnt in the cell of its longest context
+(:mod:`telemetry.aggregate`), so that is the cell whose k the round measures. Asked per row, a batch of sixteen
+with one long prompt ran the k of the short rows' cell (<=512) while every one of its rounds was costed in the
+long cell (<=2048): the cell that chose k was never measured at the k it chose, and the cell that was measured
+never chose. On ``bench vllm`` that left batch 16 at k = 0 for 889 rounds (279 tok/s by the engine's own
+windows) beside 353 tok/s measured at k = 3 in the same cell.
 
 **A step as a round.** One vLLM step verifies the drafts proposed in the previous step and proposes the next
 ones. Each decoding row becomes a :class:`~telemetry.records.RowRecord`: ``k`` = drafts verified for it this
@@ -324,7 +331,7 @@ class VllmStepBridge:
 
     # ------------------------------------------------------------------------------------------ decide
     def choose_k(self, rows: Sequence[RowAtSchedule], batch_size: int) -> int:
-        """The k the batch drafts next: ``fixed_k``, or the batch rule over the decoding rows' table answers.
+        """The k the batch drafts next: ``fixed_k``, or the batch rule over the rows' table answers.
 
         Args:
             rows: the scheduled requests (prefilling ones included: they draft after their last chunk).
@@ -337,7 +344,8 @@ class VllmStepBridge:
             k = cfg.start_k
         else:
             decide = self._decide
-            k = batch_k([decide(r.request_type, batch_size, r.context_len) for r in rows])
+            ctx = max(r.context_len for r in rows)  # the cell the verifying round is costed in (module docstring)
+            k = batch_k([decide(r.request_type, batch_size, ctx) for r in rows])
         k = min(k, cfg.k_max)
         counts = self.counters.k_counts
         assert counts is not None
