@@ -42,6 +42,7 @@ import numpy as np
 
 from policies._acceptance import AcceptanceModel, Versions
 from policies._cost import CostModel
+from policies._emitted import EmittedCalibration
 from policies.analytic import batch_goodput, emitted_by_k
 from policies.base import Decision, DecisionKind, Policy, Window
 from telemetry.records import AcceptanceWindow, Bucket, Cell, CostWindow
@@ -175,6 +176,9 @@ class GoodputPolicy(Policy):
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every)
+        # What each cost cell's rounds emitted: corrects the acceptance model for the rows that share the cell's
+        # rounds (a round is costed, and decided, at its longest row's context; see policies/_emitted.py).
+        self._emitted = EmittedCalibration(cost_prior_windows, acceptance_decay)
         self._cells: dict[Cell, _Cell] = {}
         # cell -> (windows observed, the mean's best ks per type, expected goodput per shared k): every bucket of a
         # quiet cell asks for the same answer, so one evaluation serves them all until a window arrives
@@ -193,6 +197,8 @@ class GoodputPolicy(Policy):
             w = window
             rounds, rows = w.rounds, w.batch_rows
             drafted = float(w.tokens_verified - w.batch_rows)  # packed verification: rows draft their own k
+            self._emitted.observe(Cell(w.target_version, w.draft_version, w.batch_bucket, w.context_bucket),
+                                  w.max_k, rounds, rows, drafted, w.emitted)
             parts = [w.draft_s.total, w.verify_s.total, w.other_s.total]
             if rounds >= TRIM_FROM_ROUNDS:
                 # The slowest round of a window is set aside: after speculation was off the first round at k > 0
@@ -210,6 +216,9 @@ class GoodputPolicy(Policy):
         and let each cell of those versions and context bucket decide afresh at the next decision (no hold left,
         its cost probe allowed again): a widened draw can be served and the mean may switch at once."""
         self._acc.forget((target_version, draft_version), request_type, context_bucket, self.reopen_rows)
+        # A cell's rounds hold rows of every context up to its own: what they emitted before the drift is stale in
+        # every cell of these versions.
+        self._emitted.forget((target_version, draft_version))
         self._best.clear()
         for (t, d, _bb, ctx), cell in self._cells.items():
             if (t, d, ctx) == (target_version, draft_version, context_bucket):
@@ -217,6 +226,8 @@ class GoodputPolicy(Policy):
 
     def _forget(self, request_type: str | None, versions: tuple[str, str] | None) -> None:
         self._acc.drop(request_type, versions)
+        if versions is not None:
+            self._emitted.forget(versions)
         self._best.clear()
         for key in [key for key in self._cells if versions is not None and key[:2] == versions]:
             del self._cells[key]
@@ -231,7 +242,7 @@ class GoodputPolicy(Policy):
         """Joint combos ``[C, T]``, their goodput ``[C]`` and the shared-k goodput ``[K + 1]``."""
         vd: Versions = (bucket.target_version, bucket.draft_version)
         cond = self._acc.conds(vd, types, bucket.context_bucket, rng)  # [T, K]
-        emitted = emitted_by_k(cond[:, : self.k_max])  # [T, K+1]
+        emitted = self._emitted.adjust(bucket.cell, emitted_by_k(cond[:, : self.k_max]), weights, rng)  # [T, K+1]
         b = self._cost.mean_batch(bucket.batch_bucket, bucket.context_bucket)
         secs = self._cost.predict(bucket.batch_bucket, bucket.context_bucket, b, rng).sum(axis=1)  # [K+1]
         packed = self.packed and not self.one_k_per_batch
@@ -426,12 +437,14 @@ class GoodputPolicy(Policy):
                   "expected": {str(k): g for k, g in c.expected.items()}, "hold": c.hold, "off": c.off,
                   "probed": c.probed, "epoch": c.epoch, "reprobes": c.reprobes}
                  for (t, d, bb, ctx), c in self._cells.items()]
-        return {"acceptance": self._acc.get_state(), "cost": self._cost.get_state(), "cells": cells}
+        return {"acceptance": self._acc.get_state(), "cost": self._cost.get_state(), "cells": cells,
+                "emitted": self._emitted.get_state()}
 
     def _set_state(self, state: dict[str, Any]) -> None:
         self._best.clear()
         self._acc.set_state(state["acceptance"])
         self._cost.set_state(state["cost"])
+        self._emitted.set_state(state.get("emitted", []))  # absent from states saved before it existed
         self._cells = {}
         for r in state["cells"]:
             key = Cell(str(r["target_version"]), str(r["draft_version"]), int(r["batch_bucket"]),
