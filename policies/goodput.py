@@ -14,6 +14,11 @@ any engine that verifies only the tokens each row drafted) every token a row doe
 cost model's seconds per drafted token: types that accept well draft deep while the others stay shallow or
 plain. With ``packed=False`` a round costs what its largest k costs (engines that pad rows to one length).
 
+A round is costed at its longest row's context, so the rows sharing a cell's rounds are not the rows whose
+acceptance that context bucket learnt (a batch of short rows beside one long prompt is decided in the long cell).
+What each cell's rounds emitted at each k corrects the acceptance model's prediction there
+(:mod:`policies._emitted`): a level for the cell, then each measured k from its own measurement.
+
 The incumbent k changes only when the posterior-mean gain exceeds
 ``switch_margin``, and then holds for ``hold_decisions`` (vLLM issue #49548: K flipping 2 <-> 0 collapses
 throughput); turning speculation off needs ``off_margin`` and a measurement of k = 0 in that cell (switching
