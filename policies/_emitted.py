@@ -11,13 +11,15 @@ while k = 3 measured 648 tok/s against k = 5's 534.
 
 Every cost window counts what its rounds emitted. In a window whose rows all drafted the round's k (one k per
 batch, or a packed round whose rows chose the same k) that is the cell's own emitted tokens per row at k, whatever
-mix of types and contexts shares its rounds. So, per cell (model versions included: acceptance is a property of
-the pair) and k, this keeps decayed sums of rows and accepted tokens, and corrects the acceptance model's
-mix-weighted prediction of accepted tokens per row the way :class:`~policies._cost.CostModel` corrects its shared
-fit: a level for the cell (measured over predicted at the ks measured, shrunk toward 1 with ``prior_windows``),
-then each measured k from its own measurement (shrunk toward the levelled prediction the same way). Evidence counts
-windows, each weighted ``r / (r + 10)`` by its rounds, as the cost model does: the rows of consecutive rounds are
-largely the same requests, so a window's rows do not measure independently.
+mix of types and contexts shares its rounds. Rounds of one row are left out: there the acceptance model already
+describes the very row, type by type, and a cell's measurement would only say which request happened to run. So,
+per cell (model versions included: acceptance is a property of the pair) and k, this keeps decayed sums of rows and
+accepted tokens, and corrects the acceptance model's mix-weighted prediction of accepted tokens per row the way
+:class:`~policies._cost.CostModel` corrects its shared fit: a level for the cell (measured over predicted at the ks
+measured, shrunk toward 1 with ``prior_windows``), then each measured k from its own measurement (shrunk toward the
+levelled prediction the same way). Evidence counts windows, each weighted ``r / (r + 10)`` by its rounds, as the
+cost model does: the rows of consecutive rounds are largely the same requests, so a window's rows do not measure
+independently.
 
 For Thompson sampling each k's correction in a measured cell is drawn log-normally with sigma
 ``spread * sqrt(prior / (n + prior))`` (``n`` its evidence): a k measured in one short exploration stays uncertain
@@ -65,8 +67,11 @@ class EmittedCalibration:
 
     def observe(self, cell: Cell, k: int, rounds: int, rows: int, drafted: float, emitted: float) -> bool:
         """Add one cost window (``drafted`` tokens over all its rows and rounds). Returns whether it was used:
-        only windows in which every row drafted the round's k > 0 measure the cell at k."""
-        if k <= 0 or rounds <= 0 or rows <= 0 or abs(drafted - rows * k) > 0.5:
+        only windows in which every row drafted the round's k > 0 measure the cell at k, and only rounds of more
+        than one row: a one-row round is the very row the acceptance model learnt at its own type and context, and
+        what it emitted says only which request happened to run (in bench vllm's c1 phases that noise flipped the
+        batch-1 cell between k = 3 and k = 5 every decision)."""
+        if k <= 0 or rounds <= 0 or rows <= rounds or abs(drafted - rows * k) > 0.5:
             return False
         s = self._sums.setdefault(cell, {}).setdefault(k, EmittedSums())
         s.rows = s.rows * self.decay + rows

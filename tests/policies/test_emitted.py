@@ -61,6 +61,8 @@ def test_rounds_whose_rows_drafted_different_ks_do_not_calibrate() -> None:
     assert not cal.observe(CELL, 5, mixed.rounds, mixed.batch_rows, mixed.tokens_verified - mixed.batch_rows,
                            mixed.emitted)
     assert not cal.observe(CELL, 0, 10, 160, 0.0, 160)  # k = 0 accepts nothing by construction
+    # One row a round: that row's acceptance is already learnt at its own type and context.
+    assert not cal.observe(Cell("t1", "d1", 1, LONG), 5, 10, 10, 50.0, 30)
     one_k = _cost(5, 0.08, 1.0)
     assert cal.observe(CELL, 5, one_k.rounds, one_k.batch_rows, one_k.tokens_verified - one_k.batch_rows,
                        one_k.emitted)
