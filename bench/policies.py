@@ -35,7 +35,8 @@ prompts, 192 new tokens per request, sampling at T = 1.
 - Metrics per policy: tok_s, ratio_to_oracle, rounds_to_90_cold / _after_update (per bucket, rounds of presence
   up to the end of the first window from which a 3-window mean of goodput is >= 90% of the oracle's in the same
   windows — analytic on the simulator, measured on the engine; median and worst over buckets, and how many
-  never did), k_changes_per_1000 (bucket-rounds).
+  never did), k_changes_per_1000 (bucket-rounds), early_regret (tokens lost against the oracle over the policy's
+  first 200 rounds, cold and from the model update on, as a share of the oracle's tokens in that time).
 - Simulator section, ``busy``: the oracle, static and goodput again with a busy neighbour slowing 30% of the
   windows (seeded spells, :func:`controller.offline.simulator.interference_factors`), and how far goodput's ratio to the
   oracle falls against the quiet run (``goodput_ratio_fall``).
@@ -92,6 +93,7 @@ from telemetry.records import DEFAULT_BUCKETS, REQUEST_TYPES, Bucket
 
 K_MAX = 8
 ROLLING = 3  # windows averaged when checking "reached 90% of oracle"
+EARLY_ROUNDS = 200  # issue 31's cold-start horizon: regret over a policy's first rounds, cold and after the update
 
 
 class TablePolicy(Policy):
@@ -209,7 +211,30 @@ def bucket_metrics(res: SimResult, oracle: SimResult, specs: Sequence[WindowSpec
                 "never": len(xs) - len(done), "buckets": len(xs)}
 
     return {"rounds_to_90_cold": summary(cold), "rounds_to_90_after_update": summary(after),
-            "k_changes_per_1000": 1000.0 * changes / max(bucket_rounds, 1)}
+            "k_changes_per_1000": 1000.0 * changes / max(bucket_rounds, 1),
+            "early_regret": {"rounds": EARLY_ROUNDS, "cold": early_regret(res, oracle, 0),
+                             "after_update": early_regret(res, oracle, first_update_window(specs))}}
+
+
+def first_update_window(specs: Sequence[WindowSpec]) -> int | None:
+    """Index of the first window served by another target version than the first window's (None: no update)."""
+    return next((i for i, s in enumerate(specs) if s.version != specs[0].version), None) if specs else None
+
+
+def early_regret(res: SimResult, oracle: SimResult, start: int | None, n_rounds: int = EARLY_ROUNDS) -> float | None:
+    """Tokens lost against the oracle over the policy's first ``n_rounds`` rounds from window ``start``, as a share
+    of the oracle's tokens in the same wall time: ``1 - sum(w * g) / sum(w * g_oracle)`` over the windows those
+    rounds fall in, ``g`` each window's goodput (analytic in the simulator, measured on the engine) and ``w`` the
+    share of the window's rounds counted (1 but for the last, cut at ``n_rounds``). Windows last the same time for
+    every policy, so goodput weighs as tokens. None when ``start`` is None or the workload ends first."""
+    if start is None:
+        return None
+    g, g_or, rounds = res.expected_goodput[start:], oracle.expected_goodput[start:], res.rounds[start:]
+    before = np.concatenate(([0.0], np.cumsum(rounds)[:-1]))  # [W'] rounds played before each window
+    w = np.clip((n_rounds - before) / np.maximum(rounds, 1e-9), 0.0, 1.0)  # [W'] share of each window counted
+    if float(np.sum(w * rounds)) < n_rounds - 1e-6:
+        return None
+    return float(1.0 - np.sum(w * g) / max(float(np.sum(w * g_or)), 1e-12))
 
 
 def trtllm_schedule_of(schedule: list[list[int]]) -> dict[int, int]:
@@ -657,14 +682,18 @@ def print_table(section: dict[str, Any], title: str) -> None:
 
     t = Table(title=f"{title}: oracle {section['oracle_tok_s']:.1f} tok/s over {section['rounds']} rounds")
     for col in ("policy", "tok/s", "x oracle", "rounds to 90% cold (med/worst/never)",
-                "after update (med/worst/never)", "k changes /1000"):
+                "after update (med/worst/never)", "k changes /1000", "regret 200 rounds (cold/update)"):
         t.add_column(col)
     for name, e in section["policies"].items():
         def f(d: dict[str, Any]) -> str:
             return f"{d['median']}/{d['worst']}/{d['never']}"
+        def pct(x: float | None) -> str:
+            return "-" if x is None else f"{x:.1%}"
         label = f"{name} (k={e['k']})" if "k" in e else name
+        er = e.get("early_regret", {})
         t.add_row(label, f"{e['tok_s']:.1f}", f"{e['ratio_to_oracle']:.3f}", f(e["rounds_to_90_cold"]),
-                  f(e["rounds_to_90_after_update"]), f"{e['k_changes_per_1000']:.1f}")
+                  f(e["rounds_to_90_after_update"]), f"{e['k_changes_per_1000']:.1f}",
+                  f"{pct(er.get('cold'))}/{pct(er.get('after_update'))}")
     Console().print(t)
     print(f"  ceiling oracle / static: {section['oracle_over_static']:.3f}; "
           + ", ".join(f"goodput / {o}: {r:.4f}" for o, r in section["goodput_over"].items()))

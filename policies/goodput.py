@@ -54,6 +54,11 @@ from telemetry.records import AcceptanceWindow, Bucket, Cell, CostWindow
 
 MIN_TYPE_WEIGHT = 0.02  # a type absent from the recent mix still gets a say (it is being asked about)
 MAX_REPROBE_DOUBLINGS = 4  # an off cell whose re-probes keep confirming "off" waits up to 16x probe_every
+# The jump in cost at k > 0 is measured (a cost probe at k = 0) only in a cell where the posterior mean puts k = 0
+# within this share of the best k > 0. Where k = 0 is far behind (batch 1 on a memory-bound target: 0.43-0.46 of
+# the best in the simulator's cold starts) its measurement cannot change a choice and costs a window at half speed;
+# the jump is then measured in the first cell where speculation off is a contender (larger batches).
+K0_PROBE_WITHIN = 0.25
 TRIM_FROM_ROUNDS = 4  # cost windows of at least this many rounds drop their slowest round (see _observe)
 # Kinds that serve something other than the incumbent, to measure it.
 EXPLORING_KINDS = frozenset({DecisionKind.EXPLORE, DecisionKind.PROBE, DecisionKind.PROBE_OFF, DecisionKind.REPROBE})
@@ -397,7 +402,8 @@ class GoodputPolicy(Policy):
         """A cell measured at one k only is served a second k once, to identify its cost slope in k.
 
         Not when enough other cells already pin the shared slope down and the cell lies within their range:
-        interpolation is trusted, extrapolation is measured.
+        interpolation is trusted, extrapolation is measured. The second k is 0 while no cell has measured k = 0 and
+        the mean puts k = 0 within ``K0_PROBE_WITHIN`` of the best k > 0; otherwise two k > 0 apart.
         """
         bb, ctx = est.bucket.batch_bucket, est.bucket.context_bucket
         seen = self._cost.ks_seen(bb, ctx)
@@ -408,8 +414,8 @@ class GoodputPolicy(Policy):
         only = next(iter(seen))
         if only == 0:
             alt = est.best_on
-        elif not self._cost.k0_measured():  # the jump at k > 0 is identified by measuring k = 0 once
-            alt = 0
+        elif not self._cost.k0_measured() and est.g_shared[0] >= (1.0 - K0_PROBE_WITHIN) * est.g_shared[est.best_on]:
+            alt = 0  # the jump at k > 0 is identified by measuring k = 0 once, where off is a contender
         else:  # a second k > 0 identifies the slope without paying a catch-up
             alt = only + 2 if only + 2 <= self.k_max else max(1, only - 2)
         cell.probed = True

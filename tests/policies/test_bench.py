@@ -13,6 +13,8 @@ from bench.policies import (
     EnginePlan,
     _EngineRun,
     bucket_metrics,
+    early_regret,
+    first_update_window,
     median_of_repeats,
     replay_interleaved,
     schedule_from_best,
@@ -157,3 +159,21 @@ def test_rounds_to_90_split_cold_and_after_update_by_the_workloads_first_version
     res = SimResult(np.ones(2), np.ones(2), np.full(2, 10.0), np.ones(2), ks)
     out = bucket_metrics(res, res, specs)
     assert out["rounds_to_90_cold"]["buckets"] == 1 and out["rounds_to_90_after_update"]["buckets"] == 1
+
+
+def test_early_regret_counts_the_first_rounds_cold_and_after_the_update() -> None:
+    mix = (0.4, 0.4, 0.2)
+    specs = [WindowSpec(1, "short", mix, v) for v in ("a", "a", "a", "b", "b", "b")]
+    rounds = np.array([150.0, 100.0, 100.0, 100.0, 100.0, 100.0])
+    oracle = SimResult(np.ones(6), np.ones(6), rounds, np.full(6, 100.0))
+    # the policy loses half in its first window and 20% in the second; after the update, 10% in one window
+    res = SimResult(np.ones(6), np.ones(6), rounds, np.array([50.0, 80.0, 100.0, 90.0, 100.0, 100.0]))
+    assert first_update_window(specs) == 3
+    # first 200 rounds: all of window 0 (150) and half of window 1 (50 of 100)
+    assert early_regret(res, oracle, 0) == pytest.approx(1.0 - (50.0 + 0.5 * 80.0) / (100.0 + 0.5 * 100.0))
+    assert early_regret(res, oracle, 3) == pytest.approx(1.0 - (90.0 + 100.0) / 200.0)
+    assert early_regret(res, oracle, None) is None
+    assert early_regret(res, oracle, 5) is None  # the workload ends before 200 rounds
+    out = bucket_metrics(res, oracle, specs)["early_regret"]
+    assert out["rounds"] == 200 and out["after_update"] == pytest.approx(0.05)
+    assert first_update_window(specs[:3]) is None

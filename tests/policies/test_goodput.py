@@ -267,3 +267,30 @@ def test_one_k_per_batch_gives_every_type_of_a_cell_the_same_k() -> None:
     q = GoodputPolicy(k_max=4, seed=0, one_k_per_batch=True)
     q.restore(p.snapshot())
     assert q.decide(Bucket("t1", "d1", "prose", 8, "<=512")).k == one["prose"]
+
+
+def _memory_bound(bb: int, k: int) -> CostWindow:
+    """Batch 1 on a memory-bound target: verifying k + 1 tokens costs little more than one (ENGINE_MS, batch 1)."""
+    return _cost(bb, k, 0.002 + 0.0003 * k)
+
+
+def test_the_jump_at_k_above_0_is_not_probed_where_off_is_far_behind() -> None:
+    # Batch 1, every draft accepted so far: k = 0 is far behind any k > 0, so the cell's second k is another k > 0
+    # (a window at k = 0 would cost half its tokens and change no choice).
+    p = GoodputPolicy(k_max=8, seed=0)
+    b = Bucket("t1", "d1", "code", 1, "<=512")
+    p.observe(_acc("code", 3, (0, 0, 5, 45)))
+    p.observe(_memory_bound(1, 3))
+    d = p.decide(b)
+    assert d.kind is DecisionKind.PROBE and d.k > 0
+
+
+def test_the_jump_is_probed_where_off_is_a_contender() -> None:
+    # Nothing accepted: k = 0 is level with or ahead of the best k > 0, and the cell measures it.
+    p = GoodputPolicy(k_max=8, seed=0)
+    b = Bucket("t1", "d1", "code", 1, "<=512")
+    p.observe(_acc("code", 3, (50, 0, 0, 0)))
+    p.observe(_memory_bound(1, 3))
+    d = p.decide(b)
+    assert d.kind in (DecisionKind.PROBE, DecisionKind.PROBE_OFF) and d.k == 0
+
