@@ -1,11 +1,13 @@
 """Benchmark: every policy against the per-bucket oracle, on the calibrated simulator and on the real engine.
 
 Run: ``python -m bench.policies [--quick] [--calibration bench/results/engine.json] [--checkpoints DIR]
-[--no-engine] [--json PATH]``. Writes the JSON (``{"simulator": {...}, "engine": {...}}``) and a cumulative-regret
-PNG (one panel per section) next to it. Full: 300k simulated rounds (about a minute), then on the engine one
-48-window sweep of six static ks and three 48-window replays of every policy (about 15 minutes on one CPU thread,
-4.6 GB peak: every policy's engines keep their KV caches while the policies run interleaved); ``--quick``: 60k
-rounds, 12 windows, one replay (about a minute in all). The engine section runs on one thread.
+[--no-engine | --no-sim] [--engine-plan quick|full|long] [--policies a,b,...] [--json PATH]``. Writes the JSON
+(``{"simulator": {...}, "engine": {...}}``) and a cumulative-regret PNG (one panel per section) next to it.
+Full: 300k simulated rounds (about 6 minutes on one core), then on the engine one 48-window sweep of six static
+ks and three 48-window replays of every policy (about 35 minutes for the xl pair on one CPU thread, 4.6 GB peak:
+every policy's engines keep their KV caches while the policies run interleaved; about 590 rounds per policy);
+``--engine-plan long``: 264 windows, over 3,000 rounds per policy per repeat (hours: ``--policies`` narrows the
+lineup); ``--quick``: 60k rounds, 12 windows, one replay (about a minute in all). The engine section runs on one thread.
 
 **Workload** (:data:`controller.offline.simulator.PHASES`, recorded in each section's ``"workload"``): six phases, load
 staying put for 3-10 windows at a time — low load (batch 1/4, short contexts, balanced mix), load rising
@@ -261,13 +263,15 @@ def itl_sweep(round_s: dict[int, dict[int, float]] | None) -> VLLMDynamicConfig 
 
 
 def lineup(static_k: int, schedule: list[list[int]], seed: int,
-           itl: dict[int, dict[int, float]] | None = None) -> dict[str, Policy]:
+           itl: dict[int, dict[int, float]] | None = None, only: Sequence[str] | None = None) -> dict[str, Policy]:
     """Every registered policy, in registry order, configured as a careful operator would from the same sweep:
     ``static`` at the swept k, ``batch_table`` with the swept schedule, ``trtllm_schedule`` with the same schedule
     in TensorRT-LLM's form, ``vllm_dynamic`` with the offline ITL sweep ``itl`` (batch size -> K -> seconds; None:
-    it sweeps online), the others with their defaults."""
+    it sweeps online), the others with their defaults. ``only`` keeps those named and :data:`REQUIRED_POLICIES`."""
     out: dict[str, Policy] = {}
     for name, cls in REGISTRY.items():
+        if only is not None and name not in only and name not in REQUIRED_POLICIES:
+            continue
         if name == "static":
             out[name] = StaticPolicy(k=static_k, k_max=K_MAX, seed=seed)
         elif name == "batch_table":
@@ -354,7 +358,14 @@ ENGINE_PLANS = {
                        stretch=(2, 3), repeats=3),
     "quick": EnginePlan(windows=12, window_s=0.25, sweep_ks=(0, 1, 3), batch_cap=16, long_batch_cap=4,
                         stretch=(1, 2), repeats=1),
+    # Issue 31's instrument: at least 3,000 rounds per policy per repeat (the xl pair runs about 12 rounds per
+    # 0.5 s window), so a cold start's exploration is a small part of the run, as it is in serving.
+    "long": EnginePlan(windows=264, window_s=0.5, sweep_ks=(0, 1, 2, 3, 4, 6), batch_cap=64, long_batch_cap=16,
+                       stretch=(2, 3), repeats=3),
 }
+# The policies issue 31's figures name; ``--policies`` narrows a long engine run to them (the lineup's others are
+# variants: trtllm_schedule is batch_table's schedule, sglang_adaptive_bs and ucb are not targets).
+REQUIRED_POLICIES = ("static", "goodput")
 
 
 class _WindowDecisions:
@@ -498,7 +509,8 @@ def _cell_of(spec: WindowSpec, cal_ctx: dict[str, str]) -> tuple[str, int, str]:
 
 
 def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = None, profile: str = DEFAULT_PROFILE,
-                       progress: bool = True) -> tuple[dict[str, Any] | None, dict[str, tuple[np.ndarray, np.ndarray]]]:
+                       progress: bool = True, plan_name: str | None = None, only: Sequence[str] | None = None,
+                       ) -> tuple[dict[str, Any] | None, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """The same comparison on the real engine: the simulator's workload shape, shorter and CPU-sized.
 
     - **sweep**: the whole workload once per static k in ``plan.sweep_ks``. ``static`` is the k with the best
@@ -513,6 +525,9 @@ def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = Non
     - rounds to 90%: per bucket, the 3-window mean of measured window tokens/s over the oracle run's tokens/s in
       the same windows (same spec) reaches 0.9.
 
+    ``plan_name`` picks an :data:`ENGINE_PLANS` entry over ``quick``; ``only`` narrows the replayed lineup (the
+    oracle, static and goodput always run).
+
     Returns ``(None, {})`` with a message when torch or the checkpoints are missing.
     """
     try:
@@ -520,20 +535,21 @@ def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = Non
     except ImportError as e:  # the simulator section runs without torch
         print(f"engine section skipped: {e}")
         return None, {}
-    plan = ENGINE_PLANS["quick" if quick else "full"]
+    plan = ENGINE_PLANS[plan_name or ("quick" if quick else "full")]
     # One engine thread: on a small machine a second one competes with the benchmark's own Python (policies,
     # aggregation) and whatever else runs, and every window's speed then depends on it; the figures are ratios
     # within one interleaved run, so the thread count favours no policy.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _engine_section(plan, seed, checkpoints, progress, profile)
+        return _engine_section(plan, seed, checkpoints, progress, profile, only)
     finally:
         torch.set_num_threads(threads)
 
 
 def _engine_section(
-    plan: EnginePlan, seed: int, checkpoints: str | None, progress: bool, profile: str
+    plan: EnginePlan, seed: int, checkpoints: str | None, progress: bool, profile: str,
+    only: Sequence[str] | None = None,
 ) -> tuple[dict[str, Any] | None, dict[str, tuple[np.ndarray, np.ndarray]]]:
     import torch
 
@@ -591,7 +607,7 @@ def _engine_section(
     repeats: list[dict[str, Any]] = []
     curves: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for rep in range(plan.repeats):
-        pols: dict[str, Policy] = {"oracle": TablePolicy(table), **lineup(static_k, schedule, seed, itl)}
+        pols: dict[str, Policy] = {"oracle": TablePolicy(table), **lineup(static_k, schedule, seed, itl, only)}
         results = stage(pols, f"policies {rep + 1}/{plan.repeats}")
         oracle = results.pop("oracle")
         entries: dict[str, Any] = {}
@@ -611,8 +627,10 @@ def _engine_section(
         "oracle_k_by_cell": {"|".join(map(str, c)): k for c, k in sorted(cell_k.items())},
         **median_of_repeats(repeats),
     }
+    out["plan_name"] = next(n for n, p in ENGINE_PLANS.items() if p == plan)
     out["policies"]["static"]["k"] = static_k
-    out["policies"]["batch_table"]["schedule"] = schedule
+    if "batch_table" in out["policies"]:
+        out["policies"]["batch_table"]["schedule"] = schedule
     out["seconds"] = time.perf_counter() - t_start
     return out, curves
 
@@ -704,6 +722,14 @@ def print_table(section: dict[str, Any], title: str) -> None:
               f"goodput / static {b['goodput_over_static']:.3f}")
 
 
+def _policy_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(REGISTRY))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown policies {unknown}; registered: {sorted(REGISTRY)}")
+    return names
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--json", default="bench/results/policies.json")
@@ -715,14 +741,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile", default=DEFAULT_PROFILE, choices=PROFILE_NAMES,
                     help="the target/draft pair: calibration cells and engine (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine-plan", choices=sorted(ENGINE_PLANS), default=None,
+                    help="engine section plan (default: quick with --quick, else full); long: >= 3,000 rounds per "
+                         "policy per repeat, 3 repeats (hours on one CPU thread: narrow it with --policies)")
+    ap.add_argument("--policies", default=None, type=_policy_list,
+                    help="comma-separated lineup for the engine section (oracle, static and goodput always run)")
+    ap.add_argument("--no-sim", action="store_true", help="engine section only")
     args = ap.parse_args(argv)
-    cal = Calibration(args.calibration, profile=args.profile)
-    sim, curves = run_simulator_section(cal, args.quick, args.seed)
-    sim["profile"] = cal.profile
-    add_summary(sim)
-    print_table(sim, "simulator")
-    engine, engine_curves = (None, {}) if args.no_engine else run_engine_section(args.quick, args.seed,
-                                                                                  args.checkpoints, args.profile)
+    if args.no_sim and args.no_engine:
+        ap.error("--no-sim and --no-engine leave nothing to run")
+    sim: dict[str, Any] | None = None
+    curves: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    if not args.no_sim:
+        cal = Calibration(args.calibration, profile=args.profile)
+        sim, curves = run_simulator_section(cal, args.quick, args.seed)
+        sim["profile"] = cal.profile
+        add_summary(sim)
+        print_table(sim, "simulator")
+    engine, engine_curves = (None, {}) if args.no_engine else run_engine_section(
+        args.quick, args.seed, args.checkpoints, args.profile, plan_name=args.engine_plan, only=args.policies)
     if engine is not None:
         add_summary(engine)
         print_table(engine, f"engine ({engine['device']}, {engine['seconds']:.0f} s)")

@@ -15,6 +15,8 @@ from bench.policies import (
     bucket_metrics,
     early_regret,
     first_update_window,
+    lineup,
+    main,
     median_of_repeats,
     replay_interleaved,
     schedule_from_best,
@@ -177,3 +179,20 @@ def test_early_regret_counts_the_first_rounds_cold_and_after_the_update() -> Non
     out = bucket_metrics(res, oracle, specs)["early_regret"]
     assert out["rounds"] == 200 and out["after_update"] == pytest.approx(0.05)
     assert first_update_window(specs[:3]) is None
+
+
+def test_a_narrowed_lineup_keeps_static_and_goodput() -> None:
+    schedule = schedule_from_best({1: 4, 64: 1})
+    pols = lineup(3, schedule, seed=0, only=["vllm_dynamic"])
+    assert set(pols) == {"static", "vllm_dynamic", "goodput"}
+    assert isinstance(pols["static"], StaticPolicy) and pols["static"].k == 3
+    assert {"batch_table", "hf_heuristic"} <= set(lineup(3, schedule, seed=0))
+
+
+def test_cli_refuses_an_unknown_policy_and_an_empty_run(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--no-sim", "--policies", "goodput,nosuch"])
+    assert "unknown policies ['nosuch']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--no-sim", "--no-engine"])
+    assert "leave nothing to run" in capsys.readouterr().err
