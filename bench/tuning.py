@@ -23,6 +23,9 @@ Sections:
    Every table is scored twice: ``predicted_tok_s`` (analytic replay of the windows it was tuned on) and
    ``replayed_tok_s`` (round-level replay of the held-out windows, which no table was tuned on).
    ``tuned_over_default`` and ``exported_vllm_over_full_table`` are ratios of ``replayed_tok_s``.
+4. **engine check** (``--engine-json``, default ``bench/results/engine.json``): every tuned bucket with at least 2%
+   of the traffic, its k's tok/s in the matching ``bench engine`` cell over that cell's best k's
+   (:func:`engine_check`). Meaningful only when both ran on the same machine in the same session.
 
 A benchmark never asserts: it prints, saves JSON and a PNG, and leaves judging to the reader. The recorded
 telemetry's costs are wall time on this machine: run it on an otherwise idle machine.
@@ -379,6 +382,47 @@ def tune_and_export(db_url: str, preset: Preset, seed: int, work: Path, say: Cal
     }
 
 
+# ------------------------------------------------------------------------------------------------ engine check
+ENGINE_CHECK_SHARE = 0.02  # buckets with at least this share of the tune windows are checked against bench engine
+ENGINE_CHECK_RATIO = 0.93  # issue 31: a tuned k's measured tok/s at least this share of the cell's best
+
+
+def engine_check(buckets: Sequence[dict[str, Any]], engine_json: Path, profile: str,
+                 min_share: float = ENGINE_CHECK_SHARE) -> dict[str, Any]:
+    """The tuned table against what ``spectune bench engine`` measured: for every tuned bucket with at least
+    ``min_share`` of the traffic, the measured tok/s of the cell (request type, batch size, context) at the tuned k
+    over the best k's. A bucket whose (type, batch bucket, context bucket) the sweep has no cell for is listed as
+    unmeasured (the sweep runs batch 1, 4, 16, 64). Run both benchmarks on the same machine in the same session:
+    the sweep's speeds are that machine's."""
+    from telemetry.records import DEFAULT_BUCKETS
+
+    doc = json.loads(engine_json.read_text())
+    measured: dict[tuple[str, int, str], dict[int, float]] = {}
+    for c in doc.get("cells", []):
+        if c.get("profile") != profile or c.get("request_type") == "mixed" or "spec_tok_s" not in c:
+            continue
+        key = (c["request_type"], DEFAULT_BUCKETS.batch_bucket(int(c["batch_size"])),
+               DEFAULT_BUCKETS.context_bucket(int(c["context_len"])))
+        measured[key] = {0: float(c["plain_tok_s"]), **{int(k): float(v) for k, v in c["spec_tok_s"].items()}}
+    rows = []
+    for b in buckets:
+        if b["share"] < min_share:
+            continue
+        key = (b["request_type"], int(b["batch_bucket"]), b["context_bucket"])
+        tok = measured.get(key)
+        row: dict[str, Any] = {"request_type": key[0], "batch_bucket": key[1], "context_bucket": key[2],
+                               "share": b["share"], "tuned_k": b["tuned_k"]}
+        if tok is not None and b["tuned_k"] in tok:
+            best_k = max(tok, key=lambda k: tok[k])
+            row.update(best_k=best_k, ratio=tok[b["tuned_k"]] / tok[best_k])
+        rows.append(row)
+    ratios = [r["ratio"] for r in rows if "ratio" in r]
+    return {"engine_json": str(engine_json), "engine_device": doc.get("device"), "min_share": min_share,
+            "threshold": ENGINE_CHECK_RATIO, "buckets": rows, "checked": len(ratios),
+            "unmeasured": len(rows) - len(ratios), "min_ratio": min(ratios) if ratios else None,
+            "below_threshold": sum(1 for r in ratios if r < ENGINE_CHECK_RATIO)}
+
+
 # ------------------------------------------------------------------------------------------------ output
 def plot(doc: dict[str, Any], png: Path) -> None:
     import matplotlib
@@ -438,6 +482,20 @@ def report(doc: dict[str, Any]) -> None:
                   f"{tn['tuned_over_default_predicted']:.3f}); "
                   f"exported_vllm_over_full_table {tn['exported_vllm_over_full_table']:.3f}; "
                   f"exported_trtllm_over_full_table {tn['exported_trtllm_over_full_table']:.3f}")
+    ec = doc.get("engine_check")
+    if ec:
+        t = Table(title=f"tuned k against bench engine ({ec['engine_json']}; buckets >= {ec['min_share']:.0%} of "
+                        "traffic)")
+        for c in ("bucket", "share", "tuned k", "measured best k", "tok/s at tuned k / best"):
+            t.add_column(c, justify="right")
+        for r in ec["buckets"]:
+            ratio = f"{r['ratio']:.3f}" if "ratio" in r else "unmeasured"
+            t.add_row(f"{r['request_type']}|{r['batch_bucket']}|{r['context_bucket']}", f"{r['share']:.1%}",
+                      str(r["tuned_k"]), str(r.get("best_k", "-")), ratio)
+        con.print(t)
+        mr = ec["min_ratio"]
+        con.print(f"{ec['checked']} buckets checked, {ec['unmeasured']} unmeasured; worst "
+                  f"{'-' if mr is None else f'{mr:.3f}'}; below {ec['threshold']}: {ec['below_threshold']}")
 
 
 def run(preset_name: str, profile: str, seed: int, telemetry: Path | None, keep: Path | None,
@@ -470,10 +528,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--telemetry", type=Path, default=None,
                     help="tune on this SQLite file of recorded telemetry instead of recording (it gains a study)")
     ap.add_argument("--keep-telemetry", type=Path, default=None, help="record into this SQLite file and keep it")
+    ap.add_argument("--engine-json", type=Path, default=Path("bench/results/engine.json"),
+                    help="a `spectune bench engine` result from the same machine and session: each tuned bucket's k "
+                         "is checked against that sweep's measured best (skipped when the file is absent)")
     args = ap.parse_args(argv)
     if args.telemetry is not None and not args.telemetry.is_file():
         raise SystemExit(f"error: --telemetry {args.telemetry} is not a file")
     doc = run("quick" if args.quick else "full", args.profile, args.seed, args.telemetry, args.keep_telemetry)
+    if args.engine_json.is_file() and doc.get("tune"):
+        doc["engine_check"] = engine_check(doc["tune"]["buckets"], args.engine_json, args.profile)
     write_results(doc, args.json, plot, report)
     return 0
 

@@ -29,6 +29,7 @@ definition), from the same expected rounds.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -54,6 +55,7 @@ from telemetry.records import (
 from telemetry.store import StoredWindow
 from telemetry.wire import parse_bucket_key
 
+EXHAUSTIVE_COMBOS = 4096  # joint ks of one cell's types searched exhaustively by Replay.best_per_cell (9^3 = 729)
 PRIOR_ALPHA = 0.6  # acceptance of a position nothing measured (the policies' AcceptanceModel prior)
 DEFAULT_WINDOW_S = 0.5  # wall seconds of one replayed window (tune's and export's default)
 P99 = 0.99
@@ -471,6 +473,60 @@ class Replay:
                                                          for i in idx))
 
             out[key] = max(cands, key=lambda k: (total(k), -k))
+        return out
+
+    def best_per_cell(self, caps: dict[tuple[str, int, str], int], base: KsFn,
+                      max_combos: int = EXHAUSTIVE_COMBOS) -> dict[tuple[str, int, str], int]:
+        """The k per (request type, batch bucket, context bucket) in ``caps`` (each searched in ``[0, cap]``) that
+        maximises this replay's tokens/s, the other types' ks as ``base`` gives them.
+
+        The objective separates by cost cell: every window lasts the same wall time, so the replay's tokens/s is the
+        mean of its windows' goodput, and a window's goodput depends only on the ks of its own (batch bucket,
+        context bucket). Each cell is searched alone, exhaustively over the joint ks of its tuned types (rows of
+        every type share a round) while there are at most ``max_combos`` of them, else by coordinate ascent from
+        ``base``. Ties keep the smaller k. This is the table the replay's model (acceptance per type and position,
+        the fitted cost) calls best, with no sampler noise: a bucket with little traffic is decided on the same
+        model as a busy one.
+        """
+        groups: dict[tuple[int, str], list[int]] = defaultdict(list)
+        for i, (spec, bb) in enumerate(zip(self.load.specs, self.load.buckets, strict=True)):
+            groups[(bb, spec.context)].append(i)
+        types = self.load.types
+        out: dict[tuple[str, int, str], int] = {}
+        for (bb, ctx), idx in groups.items():
+            tuned = [ti for ti, rt in enumerate(types) if (rt, bb, ctx) in caps]
+            if not tuned:
+                continue
+            bases = [base(self.load.specs[i], bb) for i in idx]
+
+            def total(choice: tuple[int, ...], idx: list[int] = idx, bases: list[tuple[int, ...]] = bases,
+                      tuned: list[int] = tuned) -> float:
+                acc = 0.0
+                for i, ks in zip(idx, bases, strict=True):
+                    full = list(ks)
+                    for ti, k in zip(tuned, choice, strict=True):
+                        full[ti] = min(k, self.cal.K)
+                    tok, secs = self._round(self.load.specs[i], tuple(full))
+                    acc += tok / secs
+                return acc
+
+            ranges = [range(caps[(types[ti], bb, ctx)] + 1) for ti in tuned]
+            n_combos = 1
+            for r in ranges:
+                n_combos *= len(r)
+            if n_combos <= max_combos:
+                best = max(itertools.product(*ranges), key=lambda c: (total(c), [-k for k in c]))
+            else:
+                cur = [min(bases[0][ti], caps[(types[ti], bb, ctx)]) for ti in tuned]
+                for _ in range(8):  # coordinate ascent: each type's k in turn, the others fixed
+                    before = list(cur)
+                    for j, r in enumerate(ranges):
+                        scored = [(total((*cur[:j], k, *cur[j + 1:])), -k, k) for k in r]
+                        cur[j] = max(scored)[2]
+                    if cur == before:
+                        break
+                best = tuple(cur)
+            out.update({(types[ti], bb, ctx): int(k) for ti, k in zip(tuned, best, strict=True)})
         return out
 
     def _round(self, spec: WindowSpec, ks: tuple[int, ...]) -> tuple[float, float]:

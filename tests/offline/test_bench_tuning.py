@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -41,3 +42,28 @@ def test_explorer_spreads_the_largest_k_over_every_value(monkeypatch: pytest.Mon
         largest[max(ks)] += 1
     assert set(largest) == set(range(K_MAX + 1))
     assert min(largest.values()) >= 900 / (K_MAX + 1) / 4  # no largest k starved (independent draws: 0-2 rare)
+
+
+def test_engine_check_compares_each_busy_bucket_with_the_sweeps_best(tmp_path: Path) -> None:
+    from bench.tuning import engine_check
+
+    cells = [{"profile": "xl", "request_type": "code", "batch_size": 1, "context_len": 300, "plain_tok_s": 80.0,
+              "spec_tok_s": {"1": 100.0, "5": 185.0}},
+             {"profile": "xl", "request_type": "prose", "batch_size": 64, "context_len": 200, "plain_tok_s": 1100.0,
+              "spec_tok_s": {"1": 1000.0}},
+             {"profile": "small", "request_type": "code", "batch_size": 1, "context_len": 300, "plain_tok_s": 1.0,
+              "spec_tok_s": {"1": 900.0}}]
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps({"device": "cpu", "cells": cells}))
+    buckets = [{"request_type": "code", "batch_bucket": 1, "context_bucket": "<=512", "share": 0.10, "tuned_k": 0},
+               {"request_type": "prose", "batch_bucket": 64, "context_bucket": "<=512", "share": 0.08, "tuned_k": 1},
+               {"request_type": "prose", "batch_bucket": 8, "context_bucket": "<=512", "share": 0.05, "tuned_k": 2},
+               {"request_type": "code", "batch_bucket": 4, "context_bucket": "<=512", "share": 0.01, "tuned_k": 0}]
+    out = engine_check(buckets, path, "xl")
+    by = {(r["request_type"], r["batch_bucket"]): r for r in out["buckets"]}
+    assert set(by) == {("code", 1), ("prose", 64), ("prose", 8)}  # the 1% bucket is not checked
+    assert by[("code", 1)]["best_k"] == 5 and by[("code", 1)]["ratio"] == pytest.approx(80.0 / 185.0)
+    assert by[("prose", 64)]["ratio"] == pytest.approx(1000.0 / 1100.0)
+    assert "ratio" not in by[("prose", 8)]  # no batch-8 cell in the sweep
+    assert (out["checked"], out["unmeasured"], out["below_threshold"]) == (2, 1, 2)
+    assert out["min_ratio"] == pytest.approx(80.0 / 185.0)

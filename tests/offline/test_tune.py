@@ -211,3 +211,47 @@ def test_best_schedule_is_the_replay_best_of_the_tables_ks_per_batch_bucket(sqli
             assert score({**schedule, bb: k}) <= best + 1e-9
     by_ctx = rep.best_schedule(table, by_context=True)
     assert {bb for bb, _ in by_ctx} == set(schedule)
+
+
+def _table_of(best: dict[tuple[str, int, str], int]) -> PolicyTable:
+    return PolicyTable(version=2, default_k=1, k_max=8,
+                       entries={f"*|*|{rt}|{bb}|{ctx}": k for (rt, bb, ctx), k in best.items()})
+
+
+def test_best_per_cell_is_the_replays_own_optimum(sqlite_url: str) -> None:
+    # Searched cell by cell (the objective separates by cost cell): no single bucket's change replays faster,
+    # and coordinate ascent (the path for many types) lands no higher than the exhaustive search.
+    store_synthetic(sqlite_url)
+    with Store(sqlite_url) as store:
+        acc, cost = store.acceptance_windows(), store.cost_windows()
+    rep = build_replay(split_by_time(acc, cost, 0.0)[0], 6, None, 0.5)
+    caps = {(rt, bb, spec.context): 4 for spec, bb in zip(rep.load.specs, rep.load.buckets, strict=True)
+            for rt, w in zip(rep.load.types, spec.mix, strict=True) if w > 0}
+    base = rep.table_ks(PolicyTable(version=1, default_k=SEED_K, k_max=8))
+    best = rep.best_per_cell(caps, base)
+    assert set(best) == set(caps) and all(0 <= k <= 4 for k in best.values())
+    top = rep.score_table(_table_of(best)).tok_s
+    assert top > rep.score_table(PolicyTable(version=1, default_k=SEED_K, k_max=8)).tok_s
+    for cell in best:
+        for k in range(5):
+            assert rep.score_table(_table_of({**best, cell: k})).tok_s <= top + 1e-9, (cell, k)
+    ascent = rep.best_per_cell(caps, base, max_combos=1)
+    assert rep.score_table(_table_of(ascent)).tok_s <= top + 1e-9
+
+
+def test_the_models_best_table_is_a_trial_and_the_tuned_table_is_no_worse(telemetry_url: str,
+                                                                           tmp_path: Path) -> None:
+    import optuna
+
+    cfg = _cfg(telemetry_url, tmp_path, trials=6, holdout=0.0)
+    s = tune(cfg)
+    study = optuna.load_study(study_name=cfg.study, storage=telemetry_url)
+    roles = [t.user_attrs.get("spectune_role") for t in study.trials]
+    assert roles[:2] == ["seed", "model"]
+    model = study.trials[1]
+    assert model.value > study.trials[0].value
+    assert s["tuned"]["predicted_tok_s"] >= model.value - 1e-9
+    tune(TuneConfig(**{**cfg.__dict__, "trials": 8}))  # resumed: the model trial is not enqueued twice
+    roles = [t.user_attrs.get("spectune_role") for t in optuna.load_study(study_name=cfg.study,
+                                                                         storage=telemetry_url).trials]
+    assert roles.count("model") == 1 and len(roles) == 8
