@@ -535,16 +535,20 @@ def run_engine_section(quick: bool, seed: int = 0, checkpoints: str | None = Non
     except ImportError as e:  # the simulator section runs without torch
         print(f"engine section skipped: {e}")
         return None, {}
-    plan = ENGINE_PLANS[plan_name or ("quick" if quick else "full")]
+    name = plan_name or ("quick" if quick else "full")
+    plan = ENGINE_PLANS[name]
     # One engine thread: on a small machine a second one competes with the benchmark's own Python (policies,
     # aggregation) and whatever else runs, and every window's speed then depends on it; the figures are ratios
     # within one interleaved run, so the thread count favours no policy.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _engine_section(plan, seed, checkpoints, progress, profile, only)
+        out, curves = _engine_section(plan, seed, checkpoints, progress, profile, only)
     finally:
         torch.set_num_threads(threads)
+    if out is not None:
+        out["plan_name"] = name
+    return out, curves
 
 
 def _engine_section(
@@ -627,7 +631,6 @@ def _engine_section(
         "oracle_k_by_cell": {"|".join(map(str, c)): k for c, k in sorted(cell_k.items())},
         **median_of_repeats(repeats),
     }
-    out["plan_name"] = next(n for n, p in ENGINE_PLANS.items() if p == plan)
     out["policies"]["static"]["k"] = static_k
     if "batch_table" in out["policies"]:
         out["policies"]["batch_table"]["schedule"] = schedule

@@ -511,10 +511,7 @@ class Replay:
                 return acc
 
             ranges = [range(caps[(types[ti], bb, ctx)] + 1) for ti in tuned]
-            n_combos = 1
-            for r in ranges:
-                n_combos *= len(r)
-            if n_combos <= max_combos:
+            if math.prod(len(r) for r in ranges) <= max_combos:
                 best = max(itertools.product(*ranges), key=lambda c: (total(c), [-k for k in c]))
             else:
                 cur = [min(bases[0][ti], caps[(types[ti], bb, ctx)]) for ti in tuned]

@@ -7,6 +7,7 @@ import pytest
 
 from policies import DecisionKind, GoodputPolicy
 from policies._cost import CostModel
+from policies.base import Decision
 from telemetry.records import AcceptanceWindow, Bucket, CostWindow, Stat
 
 
@@ -274,23 +275,23 @@ def _memory_bound(bb: int, k: int) -> CostWindow:
     return _cost(bb, k, 0.002 + 0.0003 * k)
 
 
+def _second_decision(accept_hist: tuple[int, ...]) -> Decision:
+    """A batch-1 cell after one window at k = 3 with ``accept_hist`` (rows by accepted count): its next decision."""
+    p = GoodputPolicy(k_max=8, seed=0)
+    p.observe(_acc("code", 3, accept_hist))
+    p.observe(_memory_bound(1, 3))
+    return p.decide(Bucket("t1", "d1", "code", 1, "<=512"))
+
+
 def test_the_jump_at_k_above_0_is_not_probed_where_off_is_far_behind() -> None:
     # Batch 1, every draft accepted so far: k = 0 is far behind any k > 0, so the cell's second k is another k > 0
     # (a window at k = 0 would cost half its tokens and change no choice).
-    p = GoodputPolicy(k_max=8, seed=0)
-    b = Bucket("t1", "d1", "code", 1, "<=512")
-    p.observe(_acc("code", 3, (0, 0, 5, 45)))
-    p.observe(_memory_bound(1, 3))
-    d = p.decide(b)
+    d = _second_decision((0, 0, 5, 45))
     assert d.kind is DecisionKind.PROBE and d.k > 0
 
 
 def test_the_jump_is_probed_where_off_is_a_contender() -> None:
     # Nothing accepted: k = 0 is level with or ahead of the best k > 0, and the cell measures it.
-    p = GoodputPolicy(k_max=8, seed=0)
-    b = Bucket("t1", "d1", "code", 1, "<=512")
-    p.observe(_acc("code", 3, (50, 0, 0, 0)))
-    p.observe(_memory_bound(1, 3))
-    d = p.decide(b)
+    d = _second_decision((50, 0, 0, 0))
     assert d.kind in (DecisionKind.PROBE, DecisionKind.PROBE_OFF) and d.k == 0
 
