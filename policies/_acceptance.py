@@ -6,6 +6,14 @@ drafted k tokens and kept a of them is a trial at positions 1..min(a + 1, k) and
 do not depend on k (the draft proposes the same tokens whatever k is), so every k shares the same curve.
 Little data is shrunk toward the request-type curve, that toward the versions' global curve, and a new model
 version starts from the previous version's curve with a small (discounted) pseudo-count.
+
+Each level is shrunk toward its parent's curve *shifted by the level's own pooled acceptance*: over every
+position it has trials at, a level's successes against what the parent predicts at those trials give one
+log-odds offset (shrunk toward 0 with ``level_strength`` pseudo-trials), applied to every position. So positions a
+level was never served deep enough to see are predicted from the positions it has seen, not from the flat prior:
+a request type that accepts 0.9 at positions 1-3 is predicted near 0.9 at 4-8 after its first window at k = 3,
+where a flat prior of 0.6 would keep it at k = 3-4 until exploration reached deeper ks (Leviathan et al. 2023
+model acceptance as one rate per request type). Per-position data still decide every position they exist at.
 """
 
 from __future__ import annotations
@@ -18,6 +26,38 @@ import numpy as np
 from telemetry.records import AcceptanceWindow
 
 Versions = tuple[str, str]  # (target version, draft version)
+_EPS = 1e-3  # acceptance probabilities are kept within [_EPS, 1 - _EPS]
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    p = np.clip(p, _EPS, 1.0 - _EPS)
+    return np.asarray(np.log(p / (1.0 - p)))
+
+
+def level_shift(parent: np.ndarray, s: np.ndarray, n: np.ndarray, strength: float) -> np.ndarray:
+    """The parent's curve shifted in log-odds by one level's pooled acceptance.
+
+    Args:
+        parent: ``[..., K]`` the parent level's per-position mean.
+        s, n: ``[..., K]`` the level's successes and trials.
+        strength: pseudo-trials at the parent's own rate: the offset is shrunk toward 0 with them.
+    Returns:
+        ``[..., K]`` the shifted curve; the parent itself where the level has no trials.
+    """
+    trials = n.sum(axis=-1, keepdims=True)  # [..., 1]
+    predicted = np.clip(parent, _EPS, 1.0 - _EPS)
+    r_parent = (n * predicted).sum(axis=-1, keepdims=True) / np.maximum(trials, 1e-12)  # [..., 1] at its trials
+    r_parent = np.where(trials > 0, r_parent, 0.5)
+    r_level = (s.sum(axis=-1, keepdims=True) + strength * r_parent) / (trials + strength)  # [..., 1]
+    offset = _logit(r_level) - _logit(r_parent)  # [..., 1]; 0 without trials
+    return np.asarray(1.0 / (1.0 + np.exp(-(_logit(parent) + offset))))
+
+
+def level_mean(parent: np.ndarray, s: np.ndarray, n: np.ndarray, strength: float,
+               shift_strength: float) -> np.ndarray:
+    """``[..., K]`` a level's posterior mean: its counts over ``strength`` pseudo-trials of the shifted parent."""
+    base = level_shift(parent, s, n, shift_strength)
+    return np.asarray((s + strength * base) / (n + strength))
 
 
 @dataclass(slots=True)
@@ -68,12 +108,17 @@ class AcceptanceModel:
         type_strength: pseudo-rows pulling a request-type curve toward the global (or previous-version) curve.
         version_strength: pseudo-rows of the previous version's curve a new version starts from (discounted).
         decay: multiplier on old counts per observed window of the same key (forgetting, for drift).
+        level_strength: pseudo-trials pulling a level's pooled acceptance (every position together) toward its
+            parent's; the difference shifts the parent's whole curve (see the module docstring).
     """
 
     def __init__(self, positions: int, prior_mean: float = 0.6, bucket_strength: float = 30.0,
-                 type_strength: float = 60.0, version_strength: float = 10.0, decay: float = 0.995) -> None:
+                 type_strength: float = 60.0, version_strength: float = 10.0, decay: float = 0.995,
+                 level_strength: float = 10.0) -> None:
+        if level_strength < 0:
+            raise ValueError(f"level_strength must be >= 0, got {level_strength}")
         self.K = positions
-        self.prior_mean, self.decay = prior_mean, decay
+        self.prior_mean, self.decay, self.level_strength = prior_mean, decay, level_strength
         self.bucket_strength, self.type_strength = bucket_strength, type_strength
         self.version_strength = version_strength
         self._by_versions: dict[Versions, _VersionCounts] = {}  # in order of first appearance
@@ -137,17 +182,17 @@ class AcceptanceModel:
             base = self.type_mean(prev, rtype, depth + 1)
         vc = self._by_versions.get(vd)
         glob = vc.glob if vc is not None else self._zeros()
-        mean_glob = (glob.s + self.version_strength * base) / (glob.n + self.version_strength)
+        mean_glob = level_mean(base, glob.s, glob.n, self.version_strength, self.level_strength)
         t = vc.by_type.get(rtype) if vc is not None else None
         t = t if t is not None else self._zeros()
-        return np.asarray((t.s + self.type_strength * mean_glob) / (t.n + self.type_strength))
+        return level_mean(mean_glob, t.s, t.n, self.type_strength, self.level_strength)
 
     def beta_params(self, vd: Versions, rtype: str, ctx: str) -> tuple[np.ndarray, np.ndarray]:
         """``([K], [K])`` Beta(a, b) parameters of the bucket's per-position acceptance."""
-        m = np.clip(self.type_mean(vd, rtype), 1e-3, 1 - 1e-3)
         vc = self._by_versions.get(vd)
         c = vc.by_bucket.get((rtype, ctx)) if vc is not None else None
         c = c if c is not None else self._zeros()
+        m = np.clip(level_shift(self.type_mean(vd, rtype), c.s, c.n, self.level_strength), _EPS, 1 - _EPS)
         strength = self.bucket_strength
         return c.s + strength * m, (c.n - c.s) + strength * (1.0 - m)
 
@@ -171,14 +216,15 @@ class AcceptanceModel:
                     base[i] = self.type_mean(prev, t, 1)
         vc = self._by_versions.get(vd)
         glob_s, glob_n = (vc.glob.s, vc.glob.n) if vc is not None else (zeros, zeros)
-        mean_glob = (glob_s + self.version_strength * base) / (glob_n + self.version_strength)  # [T, K]
+        mean_glob = level_mean(base, glob_s, glob_n, self.version_strength, self.level_strength)  # [T, K]
         by_type = [vc.by_type.get(t) if vc is not None else None for t in types]
         t_s = np.stack([c.s if c is not None else zeros for c in by_type])  # [T, K]
         t_n = np.stack([c.n if c is not None else zeros for c in by_type])  # [T, K]
-        m = np.clip((t_s + self.type_strength * mean_glob) / (t_n + self.type_strength), 1e-3, 1 - 1e-3)
+        m = level_mean(mean_glob, t_s, t_n, self.type_strength, self.level_strength)  # [T, K]
         by_bucket = [vc.by_bucket.get((t, ctx)) if vc is not None else None for t in types]
         c_s = np.stack([c.s if c is not None else zeros for c in by_bucket])  # [T, K]
         c_n = np.stack([c.n if c is not None else zeros for c in by_bucket])  # [T, K]
+        m = np.clip(level_shift(m, c_s, c_n, self.level_strength), _EPS, 1 - _EPS)  # [T, K]
         a = c_s + self.bucket_strength * m
         b = (c_n - c_s) + self.bucket_strength * (1.0 - m)
         if rng is None:

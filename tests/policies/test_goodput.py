@@ -295,3 +295,57 @@ def test_the_jump_is_probed_where_off_is_a_contender() -> None:
     d = _second_decision((50, 0, 0, 0))
     assert d.kind in (DecisionKind.PROBE, DecisionKind.PROBE_OFF) and d.k == 0
 
+
+
+def _served_full_acceptance(p: GoodputPolicy, rtype: str, k: int) -> None:
+    """One window of a batch-1 cell at k: every draft accepted once the cell drafts, memory-bound cost."""
+    p.observe(_acc(rtype, k, (0,) * k + (50,)))
+    p.observe(_memory_bound(1, k))
+
+
+def test_a_switch_to_an_unmeasured_k_is_tried_before_it_is_adopted() -> None:
+    # A cell learns that its drafts are all accepted: the mean's best climbs to ks the cell never ran. Each is
+    # served once (explore), and adopted (switch, then held) only once its cost was measured in the cell.
+    p = GoodputPolicy(k_max=8, seed=0, hold_decisions=0)
+    b = Bucket("t1", "d1", "code", 1, "<=512")
+    for _ in range(3):
+        p.observe(_acc("code", 2, (30, 10, 10)))
+        p.observe(_memory_bound(1, 2))
+    tried = []
+    for _ in range(12):
+        seen = p._cost.ks_seen(1, "<=512")
+        incumbent = p.decide(b, explore=False).k
+        d = p.decide(b)
+        if d.kind is DecisionKind.SWITCH:
+            assert d.k in seen, f"switched to k={d.k}, never measured in the cell ({sorted(seen)})"
+        if d.k not in seen and d.kind is DecisionKind.EXPLORE:
+            tried.append(d.k)
+            assert p.decide(b, explore=False).k == incumbent  # tried, not adopted
+        _served_full_acceptance(p, "code", d.k)
+    assert tried, "the climb went through no unmeasured k"
+    assert p.decide(b, explore=False).k >= 6  # and it got there
+
+
+def test_exploration_moves_each_type_within_the_radius_of_its_own_k() -> None:
+    # Types that accept differently hold different ks; a Thompson draw moves each within explore_radius of its
+    # own incumbent (never turning one off), instead of one shared k that would serve both badly.
+    p = GoodputPolicy(k_max=8, seed=1, hold_decisions=0)
+    buckets = {t: Bucket("t1", "d1", t, 4, "<=512") for t in ("code", "structured")}
+    hists = {"code": lambda k: (25, 15) + (10,) * (k - 1), "structured": lambda k: (0,) * k + (50,)}
+    for t in buckets:
+        p.observe(_acc(t, 3, hists[t](3)))
+    p.observe(_cost(4, 3, 0.004))
+    explored = 0
+    for _ in range(30):
+        before = {t: p.decide(b, explore=False).k for t, b in buckets.items()}
+        served = {t: p.decide(b) for t, b in buckets.items()}
+        if served["code"].kind is DecisionKind.EXPLORE and served["code"].reason.startswith("explore"):
+            explored += 1
+            for t, d in served.items():
+                assert abs(d.k - before[t]) <= p.explore_radius
+                assert d.k >= 1 or before[t] == 0
+        for t, d in served.items():
+            p.observe(_acc(t, d.k, hists[t](d.k)) if d.k > 0 else _acc(t, 0, (50,)))
+        top = max(d.k for d in served.values())
+        p.observe(_cost(4, top, 0.004 + 0.0004 * top))
+    assert explored > 0
