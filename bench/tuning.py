@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import tempfile
@@ -391,30 +392,41 @@ def engine_check(buckets: Sequence[dict[str, Any]], engine_json: Path, profile: 
                  min_share: float = ENGINE_CHECK_SHARE) -> dict[str, Any]:
     """The tuned table against what ``spectune bench engine`` measured: for every tuned bucket with at least
     ``min_share`` of the traffic, the measured tok/s of the cell (request type, batch size, context) at the tuned k
-    over the best k's. A bucket whose (type, batch bucket, context bucket) the sweep has no cell for is listed as
-    unmeasured (the sweep runs batch 1, 4, 16, 64). Run both benchmarks on the same machine in the same session:
-    the sweep's speeds are that machine's."""
+    over the best k's. A bucket whose (type, batch bucket) the sweep has no cell for is listed as unmeasured (the
+    sweep runs batch 1, 4, 16, 64). Within a (type, batch bucket) the cell is the one whose median context lies in
+    the bucket's context range (the longest, if several do), else the nearest to it: a batch-1 cell of the sweep's
+    short prompts decodes past 512 tokens (median 560-1000 on the xl pair), and is still the short-context
+    measurement. Each row names the context it was measured at. Run both benchmarks on the same machine in the
+    same session: the sweep's speeds are that machine's."""
     from telemetry.records import DEFAULT_BUCKETS
 
     doc = json.loads(engine_json.read_text())
-    measured: dict[tuple[str, int, str], dict[int, float]] = {}
+    measured: dict[tuple[str, int], list[tuple[int, dict[int, float]]]] = {}  # (type, batch bucket) -> cells
     for c in doc.get("cells", []):
         if c.get("profile") != profile or c.get("request_type") == "mixed" or "spec_tok_s" not in c:
             continue
-        key = (c["request_type"], DEFAULT_BUCKETS.batch_bucket(int(c["batch_size"])),
-               DEFAULT_BUCKETS.context_bucket(int(c["context_len"])))
-        measured[key] = {0: float(c["plain_tok_s"]), **{int(k): float(v) for k, v in c["spec_tok_s"].items()}}
+        key = (c["request_type"], DEFAULT_BUCKETS.batch_bucket(int(c["batch_size"])))
+        tok = {0: float(c["plain_tok_s"]), **{int(k): float(v) for k, v in c["spec_tok_s"].items()}}
+        measured.setdefault(key, []).append((int(c["context_len"]), tok))
+    edges = DEFAULT_BUCKETS.context_edges
     rows = []
     for b in buckets:
         if b["share"] < min_share:
             continue
-        key = (b["request_type"], int(b["batch_bucket"]), b["context_bucket"])
-        tok = measured.get(key)
-        row: dict[str, Any] = {"request_type": key[0], "batch_bucket": key[1], "context_bucket": key[2],
+        key = (b["request_type"], int(b["batch_bucket"]))
+        row: dict[str, Any] = {"request_type": key[0], "batch_bucket": key[1], "context_bucket": b["context_bucket"],
                                "share": b["share"], "tuned_k": b["tuned_k"]}
-        if tok is not None and b["tuned_k"] in tok:
-            best_k = max(tok, key=lambda k: tok[k])
-            row.update(best_k=best_k, ratio=tok[b["tuned_k"]] / tok[best_k])
+        labels = DEFAULT_BUCKETS.context_labels()
+        i = labels.index(b["context_bucket"]) if b["context_bucket"] in labels else None
+        cells = measured.get(key, [])
+        if cells and i is not None:
+            lo, hi = (edges[i - 1] if i > 0 else 0), (edges[i] if i < len(edges) else math.inf)
+            # nearest to [lo + 1, hi]; of several inside it the longest (a short-prompt cell that decoded past lo
+            # belongs to the bucket below)
+            ctx, tok = min(cells, key=lambda ct: (max(lo + 1 - ct[0], ct[0] - hi, 0), -ct[0]))
+            if b["tuned_k"] in tok:
+                best_k = max(tok, key=lambda k: tok[k])
+                row.update(best_k=best_k, ratio=tok[b["tuned_k"]] / tok[best_k], measured_context=ctx)
         rows.append(row)
     ratios = [r["ratio"] for r in rows if "ratio" in r]
     return {"engine_json": str(engine_json), "engine_device": doc.get("device"), "min_share": min_share,
@@ -486,12 +498,12 @@ def report(doc: dict[str, Any]) -> None:
     if ec:
         t = Table(title=f"tuned k against bench engine ({ec['engine_json']}; buckets >= {ec['min_share']:.0%} of "
                         "traffic)")
-        for c in ("bucket", "share", "tuned k", "measured best k", "tok/s at tuned k / best"):
+        for c in ("bucket", "share", "tuned k", "measured best k", "at context", "tok/s at tuned k / best"):
             t.add_column(c, justify="right")
         for r in ec["buckets"]:
             ratio = f"{r['ratio']:.3f}" if "ratio" in r else "unmeasured"
             t.add_row(f"{r['request_type']}|{r['batch_bucket']}|{r['context_bucket']}", f"{r['share']:.1%}",
-                      str(r["tuned_k"]), str(r.get("best_k", "-")), ratio)
+                      str(r["tuned_k"]), str(r.get("best_k", "-")), str(r.get("measured_context", "-")), ratio)
         con.print(t)
         mr = ec["min_ratio"]
         con.print(f"{ec['checked']} buckets checked, {ec['unmeasured']} unmeasured; worst "

@@ -67,3 +67,23 @@ def test_engine_check_compares_each_busy_bucket_with_the_sweeps_best(tmp_path: P
     assert "ratio" not in by[("prose", 8)]  # no batch-8 cell in the sweep
     assert (out["checked"], out["unmeasured"], out["below_threshold"]) == (2, 1, 2)
     assert out["min_ratio"] == pytest.approx(80.0 / 185.0)
+
+
+def test_engine_check_takes_the_nearest_context_when_none_lies_in_the_bucket(tmp_path: Path) -> None:
+    # The sweep's batch-1 short-prompt cell decodes past 512 tokens: it is still the <=512 bucket's measurement,
+    # and the long-prompt cell stays the <=2048 bucket's.
+    from bench.tuning import engine_check
+
+    cells = [{"profile": "xl", "request_type": "code", "batch_size": 1, "context_len": 579, "plain_tok_s": 80.0,
+              "spec_tok_s": {"5": 140.0}},
+             {"profile": "xl", "request_type": "code", "batch_size": 1, "context_len": 1299, "plain_tok_s": 70.0,
+              "spec_tok_s": {"5": 100.0, "6": 125.0}}]
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps({"device": "cpu", "cells": cells}))
+    buckets = [{"request_type": "code", "batch_bucket": 1, "context_bucket": cb, "share": 0.1, "tuned_k": 5}
+               for cb in ("<=512", "<=2048")]
+    out = engine_check(buckets, path, "xl")
+    short, long = out["buckets"]
+    assert (short["measured_context"], short["best_k"], short["ratio"]) == (579, 5, 1.0)
+    assert (long["measured_context"], long["best_k"]) == (1299, 6)
+    assert long["ratio"] == pytest.approx(100.0 / 125.0)
