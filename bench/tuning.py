@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import statistics
 import tempfile
@@ -394,11 +393,11 @@ def engine_check(buckets: Sequence[dict[str, Any]], engine_json: Path, profile: 
     ``min_share`` of the traffic, the measured tok/s of the cell (request type, batch size, context) at the tuned k
     over the best k's. A bucket whose (type, batch bucket) the sweep has no cell for is listed as unmeasured (the
     sweep runs batch 1, 4, 16, 64). Within a (type, batch bucket) the cell is the one whose median context lies in
-    the bucket's context range (the longest, if several do), else the nearest to it: a batch-1 cell of the sweep's
-    short prompts decodes past 512 tokens (median 560-1000 on the xl pair), and is still the short-context
-    measurement. Each row names the context it was measured at. Run both benchmarks on the same machine in the
-    same session: the sweep's speeds are that machine's."""
-    from telemetry.records import DEFAULT_BUCKETS
+    the bucket's context range (the longest, if several do), else the one nearest the bucket's length: a batch-1
+    cell of the sweep's short prompts decodes past 512 tokens (median 560-1000 on the xl pair), and is still the
+    short-context measurement. Each row names the context it was measured at. Run both benchmarks on the same
+    machine in the same session: the sweep's speeds are that machine's."""
+    from telemetry.records import DEFAULT_BUCKETS, context_length
 
     doc = json.loads(engine_json.read_text())
     measured: dict[tuple[str, int], list[tuple[int, dict[int, float]]]] = {}  # (type, batch bucket) -> cells
@@ -408,22 +407,25 @@ def engine_check(buckets: Sequence[dict[str, Any]], engine_json: Path, profile: 
         key = (c["request_type"], DEFAULT_BUCKETS.batch_bucket(int(c["batch_size"])))
         tok = {0: float(c["plain_tok_s"]), **{int(k): float(v) for k, v in c["spec_tok_s"].items()}}
         measured.setdefault(key, []).append((int(c["context_len"]), tok))
-    edges = DEFAULT_BUCKETS.context_edges
     rows = []
     for b in buckets:
         if b["share"] < min_share:
             continue
         key = (b["request_type"], int(b["batch_bucket"]))
-        row: dict[str, Any] = {"request_type": key[0], "batch_bucket": key[1], "context_bucket": b["context_bucket"],
+        label = b["context_bucket"]
+        row: dict[str, Any] = {"request_type": key[0], "batch_bucket": key[1], "context_bucket": label,
                                "share": b["share"], "tuned_k": b["tuned_k"]}
-        labels = DEFAULT_BUCKETS.context_labels()
-        i = labels.index(b["context_bucket"]) if b["context_bucket"] in labels else None
+        def rank(cell: tuple[int, dict[int, float]], label: str = label) -> tuple[int, int]:
+            """Cells inside the bucket first, the longest of them (a short-prompt cell that decoded past the
+            bucket below belongs to that one); then the nearest to the bucket's representative length."""
+            ctx = cell[0]
+            if DEFAULT_BUCKETS.context_bucket(ctx) == label:
+                return (0, -ctx)
+            return (1, abs(ctx - context_length(label)))
+
         cells = measured.get(key, [])
-        if cells and i is not None:
-            lo, hi = (edges[i - 1] if i > 0 else 0), (edges[i] if i < len(edges) else math.inf)
-            # nearest to [lo + 1, hi]; of several inside it the longest (a short-prompt cell that decoded past lo
-            # belongs to the bucket below)
-            ctx, tok = min(cells, key=lambda ct: (max(lo + 1 - ct[0], ct[0] - hi, 0), -ct[0]))
+        if cells:
+            ctx, tok = min(cells, key=rank)
             if b["tuned_k"] in tok:
                 best_k = max(tok, key=lambda k: tok[k])
                 row.update(best_k=best_k, ratio=tok[b["tuned_k"]] / tok[best_k], measured_context=ctx)

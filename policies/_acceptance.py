@@ -174,59 +174,46 @@ class AcceptanceModel:
             return versions[i - 1] if i > 0 else None
         return versions[-1] if versions else None
 
-    def type_mean(self, vd: Versions, rtype: str, depth: int = 0) -> np.ndarray:
-        """``[K]`` posterior mean of the request-type curve, shrunk toward global / previous version."""
-        prev = self._previous(vd) if depth < 2 else None
-        base = np.full(self.K, self.prior_mean)
-        if prev is not None and rtype in self._by_versions[prev].by_type:
-            base = self.type_mean(prev, rtype, depth + 1)
-        vc = self._by_versions.get(vd)
-        glob = vc.glob if vc is not None else self._zeros()
-        mean_glob = level_mean(base, glob.s, glob.n, self.version_strength, self.level_strength)
-        t = vc.by_type.get(rtype) if vc is not None else None
-        t = t if t is not None else self._zeros()
-        return level_mean(mean_glob, t.s, t.n, self.type_strength, self.level_strength)
-
-    def beta_params(self, vd: Versions, rtype: str, ctx: str) -> tuple[np.ndarray, np.ndarray]:
-        """``([K], [K])`` Beta(a, b) parameters of the bucket's per-position acceptance."""
-        vc = self._by_versions.get(vd)
-        c = vc.by_bucket.get((rtype, ctx)) if vc is not None else None
-        c = c if c is not None else self._zeros()
-        m = np.clip(level_shift(self.type_mean(vd, rtype), c.s, c.n, self.level_strength), _EPS, 1 - _EPS)
-        strength = self.bucket_strength
-        return c.s + strength * m, (c.n - c.s) + strength * (1.0 - m)
-
-    def cond(self, vd: Versions, rtype: str, ctx: str, rng: np.random.Generator | None) -> np.ndarray:
-        """``[K]`` conditional acceptance: a Thompson draw when ``rng`` is given, else the posterior mean."""
-        a, b = self.beta_params(vd, rtype, ctx)
-        if rng is None:
-            return a / (a + b)
-        return rng.beta(a, b)
-
-    def conds(self, vd: Versions, types: list[str], ctx: str, rng: np.random.Generator | None) -> np.ndarray:
-        """``[T, K]`` :meth:`cond` of each of ``types`` at once (the same values, and the same draws from ``rng``:
-        a Generator fills an array of Beta draws in the order of consecutive calls)."""
-        T = len(types)
+    def type_means(self, vd: Versions, types: list[str], depth: int = 0) -> np.ndarray:
+        """``[T, K]`` posterior means of the request-type curves, shrunk toward global / previous version."""
         zeros = np.zeros(self.K)
-        prev = self._previous(vd)
-        base = np.full((T, self.K), self.prior_mean)  # [T, K] what each type curve shrinks toward
+        base = np.full((len(types), self.K), self.prior_mean)  # [T, K] what each type curve shrinks toward
+        prev = self._previous(vd) if depth < 2 else None
         if prev is not None:
-            for i, t in enumerate(types):
-                if t in self._by_versions[prev].by_type:
-                    base[i] = self.type_mean(prev, t, 1)
+            known = [i for i, t in enumerate(types) if t in self._by_versions[prev].by_type]
+            if known:
+                base[known] = self.type_means(prev, [types[i] for i in known], depth + 1)
         vc = self._by_versions.get(vd)
         glob_s, glob_n = (vc.glob.s, vc.glob.n) if vc is not None else (zeros, zeros)
         mean_glob = level_mean(base, glob_s, glob_n, self.version_strength, self.level_strength)  # [T, K]
         by_type = [vc.by_type.get(t) if vc is not None else None for t in types]
         t_s = np.stack([c.s if c is not None else zeros for c in by_type])  # [T, K]
         t_n = np.stack([c.n if c is not None else zeros for c in by_type])  # [T, K]
-        m = level_mean(mean_glob, t_s, t_n, self.type_strength, self.level_strength)  # [T, K]
+        return level_mean(mean_glob, t_s, t_n, self.type_strength, self.level_strength)
+
+    def _beta(self, vd: Versions, types: list[str], ctx: str) -> tuple[np.ndarray, np.ndarray]:
+        """``([T, K], [T, K])`` Beta(a, b) parameters of each (type, ``ctx``) bucket's per-position acceptance."""
+        zeros = np.zeros(self.K)
+        vc = self._by_versions.get(vd)
         by_bucket = [vc.by_bucket.get((t, ctx)) if vc is not None else None for t in types]
         c_s = np.stack([c.s if c is not None else zeros for c in by_bucket])  # [T, K]
         c_n = np.stack([c.n if c is not None else zeros for c in by_bucket])  # [T, K]
-        m = np.clip(level_shift(m, c_s, c_n, self.level_strength), _EPS, 1 - _EPS)  # [T, K]
-        a = c_s + self.bucket_strength * m
-        b = (c_n - c_s) + self.bucket_strength * (1.0 - m)
+        m = np.clip(level_shift(self.type_means(vd, types), c_s, c_n, self.level_strength), _EPS, 1 - _EPS)
+        return c_s + self.bucket_strength * m, (c_n - c_s) + self.bucket_strength * (1.0 - m)
+
+    def beta_params(self, vd: Versions, rtype: str, ctx: str) -> tuple[np.ndarray, np.ndarray]:
+        """``([K], [K])`` Beta(a, b) parameters of the bucket's per-position acceptance."""
+        a, b = self._beta(vd, [rtype], ctx)
+        return a[0], b[0]
+
+    def cond(self, vd: Versions, rtype: str, ctx: str, rng: np.random.Generator | None) -> np.ndarray:
+        """``[K]`` conditional acceptance: a Thompson draw when ``rng`` is given, else the posterior mean."""
+        return self.conds(vd, [rtype], ctx, rng)[0]
+
+    def conds(self, vd: Versions, types: list[str], ctx: str, rng: np.random.Generator | None) -> np.ndarray:
+        """``[T, K]`` conditional acceptance of each of ``types``: Thompson draws when ``rng`` is given, else the
+        posterior means."""
+        a, b = self._beta(vd, types, ctx)
         if rng is None:
             return np.asarray(a / (a + b))
         return np.asarray(rng.beta(a, b))
