@@ -18,6 +18,7 @@ model acceptance as one rate per request type). Per-position data still decide e
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,13 +111,20 @@ class AcceptanceModel:
         decay: multiplier on old counts per observed window of the same key (forgetting, for drift).
         level_strength: pseudo-trials pulling a level's pooled acceptance (every position together) toward its
             parent's; the difference shifts the parent's whole curve (see the module docstring).
+        mix_rows: the request mix of a context bucket (:meth:`mix`) is that of about its last ``mix_rows`` rows: a
+            window of ``r`` rows there weighs every type's earlier rows down by ``exp(-r / mix_rows)``. Every type
+            fades, not only the window's own, and the memory is counted in rows, not windows: after a large-batch
+            stretch (hundreds of rows a window) a few seconds of small batches still set the mix.
     """
 
     def __init__(self, positions: int, prior_mean: float = 0.6, bucket_strength: float = 30.0,
                  type_strength: float = 60.0, version_strength: float = 10.0, decay: float = 0.995,
-                 level_strength: float = 10.0) -> None:
+                 level_strength: float = 10.0, mix_rows: float = 500.0) -> None:
         if level_strength < 0:
             raise ValueError(f"level_strength must be >= 0, got {level_strength}")
+        if not mix_rows > 0:
+            raise ValueError(f"mix_rows must be > 0, got {mix_rows}")
+        self.mix_rows = mix_rows
         self.K = positions
         self.prior_mean, self.decay, self.level_strength = prior_mean, decay, level_strength
         self.bucket_strength, self.type_strength = bucket_strength, type_strength
@@ -131,7 +139,10 @@ class AcceptanceModel:
         if vc is None:
             vc = self._by_versions[(w.target_version, w.draft_version)] = _VersionCounts(glob=self._zeros())
         mix = vc.rows.setdefault(w.context_bucket, {})
-        mix[w.request_type] = mix.get(w.request_type, 0.0) * self.decay + w.rows
+        fade = math.exp(-w.rows / self.mix_rows)
+        for t in mix:  # the mix is recent traffic: a type that stopped arriving fades with the others' rows
+            mix[t] *= fade
+        mix[w.request_type] = mix.get(w.request_type, 0.0) + w.rows
         if w.k == 0 or w.rows == 0:
             return
         s, n = counts_from_hist(w.hist, self.K)
@@ -219,7 +230,7 @@ class AcceptanceModel:
         return np.asarray(rng.beta(a, b))
 
     def mix(self, vd: Versions, ctx: str) -> dict[str, float]:
-        """Recent rows per request type for (versions, context bucket)."""
+        """Recent rows per request type for (versions, context bucket): about the last ``mix_rows`` rows."""
         vc = self._by_versions.get(vd)
         rows = vc.rows.get(ctx, {}) if vc is not None else {}
         return {t: r for t, r in rows.items() if r > 0}

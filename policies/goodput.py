@@ -144,8 +144,12 @@ class GoodputPolicy(Policy):
         explore_radius: Thompson exploration tries ks within this distance of the incumbent (never 0).
         hold_decisions: decisions to keep k after a change.
         probe_every: decisions with speculation off before one exploratory decision with it on.
-        prior_mean, bucket_strength, type_strength, version_strength, acceptance_decay, level_strength: see
-            :class:`~policies._acceptance.AcceptanceModel`.
+        prior_mean, bucket_strength, type_strength, version_strength, acceptance_decay, level_strength,
+            mix_rows: see :class:`~policies._acceptance.AcceptanceModel`. The request mix a cell is decided with
+            is recent traffic: about the context bucket's last ``mix_rows`` rows (500: a second or two of batch-4
+            traffic). Before, each type's rows faded only with windows of its own type, so the demo's
+            structured-heavy phase at batch 4 (80% structured) was decided on the peak phase's even mix (batch
+            48), as 30% structured.
         cost_prior_windows, refit_every: see :class:`~policies._cost.CostModel`.
         slope_cells: once this many cells have been seen at two or more k, a new cell seen at one k that lies
             within their batch and context range is not probed: it borrows the shared slope in k (the point of a
@@ -169,7 +173,7 @@ class GoodputPolicy(Policy):
                  version_strength: float = 10.0, acceptance_decay: float = 0.995, cost_prior_windows: float = 2.0,
                  refit_every: int = 16, slope_cells: int = 2, off_margin: float = 0.10,
                  explore_radius: int = 2, packed: bool = True, reopen_rows: float = 10.0,
-                 one_k_per_batch: bool = False, level_strength: float = 10.0) -> None:
+                 one_k_per_batch: bool = False, level_strength: float = 10.0, mix_rows: float = 500.0) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
@@ -185,7 +189,7 @@ class GoodputPolicy(Policy):
         self.slope_cells, self.packed, self.reopen_rows = slope_cells, packed, reopen_rows
         self.one_k_per_batch = one_k_per_batch
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
-                                    acceptance_decay, level_strength)
+                                    acceptance_decay, level_strength, mix_rows)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every)
         # What each cost cell's rounds emitted: corrects the acceptance model for the rows that share the cell's
         # rounds (a round is costed, and decided, at its longest row's context; see policies/_emitted.py).
@@ -338,11 +342,20 @@ class GoodputPolicy(Policy):
         if all(t in cell.incumbent for t in est.types):
             return None
         ks, reason = est.best, "first decision"
-        if max(ks) == 0 and self._cost.extrapolating(est.bucket.batch_bucket, est.bucket.context_bucket):
-            # Off on an extrapolation alone is a guess; off is decided on this cell's measurements.
+        if max(ks) == 0 and not self._off_measured(est):
+            # Off on the shared fit alone is a guess: what a round costs once speculation is on (a multi-token
+            # verify, the draft) over what a plain step costs is the part of the cost the fit transfers worst
+            # between batch sizes. Measured (the demo, batch 2): the fit put k = 2 at 2.3x a plain round, the
+            # cell's own rounds at 1.13x, and the cell went off at first sight and lost 24% to static k = 3 there.
+            # Off is decided on this cell's measurements of both (``_probe_off`` then ``_switch``).
             ks, reason = est.shared(est.best_on), "first decision (on until measured)"
         cell.incumbent.update(zip(est.types, ks, strict=True))
         return _CellDecision(DecisionKind.FIRST, ks, reason)
+
+    def _off_measured(self, est: _Estimate) -> bool:
+        """The cell's own rounds measured speculation both off (k = 0) and on (some k > 0)."""
+        seen = self._cost.ks_seen(est.bucket.batch_bucket, est.bucket.context_bucket)
+        return 0 in seen and any(k > 0 for k in seen)
 
     def _hold(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
         """After a switch the incumbent stays for ``hold_decisions``: k flipping collapses throughput (vLLM #49548)."""

@@ -61,3 +61,28 @@ def test_the_batched_path_agrees_with_the_single_type_path() -> None:
     batched = m.conds(VD, types, "<=512", None)
     for i, t in enumerate(types):
         assert np.allclose(batched[i], m.cond(VD, t, "<=512", None))
+
+
+def test_the_mix_follows_recent_traffic() -> None:
+    # A long stretch of an even mix at a large batch (many rows per window), then a few seconds of mostly
+    # structured traffic at a small batch: the mix a cell is decided with is the recent one, and every type fades
+    # with the bucket's windows, not only with windows of its own type.
+    m = AcceptanceModel(8)
+    for _ in range(200):
+        for t in ("code", "prose", "structured"):
+            m.observe(_window(t, 1, (200, 200)))  # 400 rows a window
+    for _ in range(40):
+        m.observe(_window("structured", 1, (16, 16)))  # 32 rows a window
+        if _ % 8 == 0:
+            m.observe(_window("code", 1, (2, 2)))
+    mix = m.mix(VD, "<=512")
+    share = mix["structured"] / sum(mix.values())
+    assert share > 0.7, mix
+    assert mix["prose"] < mix["structured"] / 5  # prose stopped arriving: it faded with the others' windows
+
+
+def test_mix_rows_is_validated() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="mix_rows"):
+        AcceptanceModel(8, mix_rows=0.0)

@@ -122,6 +122,26 @@ def test_speculation_is_turned_off_only_after_measuring_k0_in_the_cell() -> None
     assert (d.k, d.exploring, d.kind) == (0, False, DecisionKind.OFF)
 
 
+def test_a_cell_within_the_measured_range_is_not_turned_off_at_first_sight() -> None:
+    # Batches 1 and 16 pin the shared slope, and there k = 2 costs three times a plain round; batch 4 lies between
+    # them and has only run plain rounds. The fit calls k = 0 best there, but off is decided on the cell's own
+    # measurements of both: the first decision serves speculation, and k = 0 is then measured before going off.
+    p = GoodputPolicy(k_max=2, seed=0)
+    for bb in (1, 16):
+        base = 0.01 * (1 + bb / 4)
+        p.observe(_cost(bb, 0, base))
+        p.observe(_cost(bb, 2, base * 3.0))
+    p.observe(_acc("code", 2, (30, 15, 5)))  # 0.35 drafts accepted per row: off wins on the fit
+    b = Bucket("t1", "d1", "code", 4, "<=512")
+    assert not p._cost.extrapolating(4, "<=512")
+    d = p.decide(b)
+    assert (d.kind, d.reason) == (DecisionKind.FIRST, "first decision (on until measured)") and d.k > 0
+    p.observe(_cost(4, d.k, 0.02 * 3.0))
+    p.observe(_acc("code", 2, (30, 15, 5)))
+    d = p.decide(b)
+    assert (d.k, d.kind) == (0, DecisionKind.PROBE_OFF)
+
+
 def test_an_off_cell_holds_then_is_reprobed() -> None:
     p, b = _turned_off(hold_decisions=1, probe_every=4)
     kinds = []
