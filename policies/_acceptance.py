@@ -119,7 +119,7 @@ class AcceptanceModel:
 
     def __init__(self, positions: int, prior_mean: float = 0.6, bucket_strength: float = 30.0,
                  type_strength: float = 60.0, version_strength: float = 10.0, decay: float = 0.995,
-                 level_strength: float = 10.0, mix_rows: float = 500.0) -> None:
+                 level_strength: float = 10.0, mix_rows: float = 1000.0) -> None:
         if level_strength < 0:
             raise ValueError(f"level_strength must be >= 0, got {level_strength}")
         if not mix_rows > 0:

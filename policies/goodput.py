@@ -146,7 +146,7 @@ class GoodputPolicy(Policy):
         probe_every: decisions with speculation off before one exploratory decision with it on.
         prior_mean, bucket_strength, type_strength, version_strength, acceptance_decay, level_strength,
             mix_rows: see :class:`~policies._acceptance.AcceptanceModel`. The request mix a cell is decided with
-            is recent traffic: about the context bucket's last ``mix_rows`` rows (500: a second or two of batch-4
+            is recent traffic: about the context bucket's last ``mix_rows`` rows (1,000: a few seconds of batch-4
             traffic). Before, each type's rows faded only with windows of its own type, so the demo's
             structured-heavy phase at batch 4 (80% structured) was decided on the peak phase's even mix (batch
             48), as 30% structured.
@@ -173,7 +173,7 @@ class GoodputPolicy(Policy):
                  version_strength: float = 10.0, acceptance_decay: float = 0.995, cost_prior_windows: float = 2.0,
                  refit_every: int = 16, slope_cells: int = 2, off_margin: float = 0.10,
                  explore_radius: int = 2, packed: bool = True, reopen_rows: float = 10.0,
-                 one_k_per_batch: bool = False, level_strength: float = 10.0, mix_rows: float = 500.0) -> None:
+                 one_k_per_batch: bool = False, level_strength: float = 10.0, mix_rows: float = 1000.0) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
