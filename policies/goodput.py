@@ -349,6 +349,13 @@ class GoodputPolicy(Policy):
             # cell's own rounds at 1.13x, and the cell went off at first sight and lost 24% to static k = 3 there.
             # Off is decided on this cell's measurements of both (``_probe_off`` then ``_switch``).
             ks, reason = est.shared(est.best_on), "first decision (on until measured)"
+        seen = self._cost.ks_seen(est.bucket.batch_bucket, est.bucket.context_bucket)
+        top = max(seen, default=0)
+        if top > 0 and max(ks) > top:
+            # Deeper than the cell ever ran: adopted only once measured, as a switch would be (served once first).
+            largest = est.combos.max(axis=1)  # [C]
+            i = int(np.argmax(np.where((largest <= top) & (largest > 0), est.g_mean, -np.inf)))
+            ks, reason = tuple(int(x) for x in est.combos[i]), f"first decision (within k={top}, measured)"
         cell.incumbent.update(zip(est.types, ks, strict=True))
         return _CellDecision(DecisionKind.FIRST, ks, reason)
 

@@ -369,3 +369,22 @@ def test_exploration_moves_each_type_within_the_radius_of_its_own_k() -> None:
         top = max(d.k for d in served.values())
         p.observe(_cost(4, top, 0.004 + 0.0004 * top))
     assert explored > 0
+
+
+def test_a_first_decision_stays_within_the_ks_its_cell_ran() -> None:
+    # The engine ran the cell at its default k = 3 before any table; every draft was accepted, so the mean wants
+    # the deepest k. The first decision's incumbent is the best within k = 3 (measured there), whatever a
+    # measurement serves meanwhile (here the cell's cost probe); a deeper k is adopted only once measured, as any
+    # switch to an unmeasured k is.
+    p = GoodputPolicy(k_max=8, seed=0, hold_decisions=0)
+    b = Bucket("t1", "d1", "code", 1, "<=512")
+    p.observe(_acc("code", 3, (0, 0, 0, 50)))
+    p.observe(_memory_bound(1, 3))
+    d = p.decide(b)
+    assert p.decide(b, explore=False).k == 3
+    for _ in range(6):
+        _served_full_acceptance(p, "code", d.k)
+        d = p.decide(b)
+        incumbent = p.decide(b, explore=False).k
+        assert incumbent in p._cost.ks_seen(1, "<=512"), f"k={incumbent} adopted before it was measured"
+    assert p.decide(b, explore=False).k > 3  # and the climb went on from there
