@@ -387,6 +387,17 @@ ENGINE_CHECK_SHARE = 0.02  # buckets with at least this share of the tune window
 ENGINE_CHECK_RATIO = 0.93  # issue 31: a tuned k's measured tok/s at least this share of the cell's best
 
 
+def _rank_cell(ctx: int, label: str) -> tuple[int, int]:
+    """Order of a sweep cell measured at median context ``ctx`` for context bucket ``label``: cells inside the bucket
+    first, the longest of them (a short-prompt cell that decoded past the bucket below belongs to that one); then
+    the nearest to the bucket's representative length."""
+    from telemetry.records import DEFAULT_BUCKETS, context_length
+
+    if DEFAULT_BUCKETS.context_bucket(ctx) == label:
+        return (0, -ctx)
+    return (1, abs(ctx - context_length(label)))
+
+
 def engine_check(buckets: Sequence[dict[str, Any]], engine_json: Path, profile: str,
                  min_share: float = ENGINE_CHECK_SHARE) -> dict[str, Any]:
     """The tuned table against what ``spectune bench engine`` measured: for every tuned bucket with at least
@@ -397,7 +408,7 @@ def engine_check(buckets: Sequence[dict[str, Any]], engine_json: Path, profile: 
     cell of the sweep's short prompts decodes past 512 tokens (median 560-1000 on the xl pair), and is still the
     short-context measurement. Each row names the context it was measured at. Run both benchmarks on the same
     machine in the same session: the sweep's speeds are that machine's."""
-    from telemetry.records import DEFAULT_BUCKETS, context_length
+    from telemetry.records import DEFAULT_BUCKETS
 
     doc = json.loads(engine_json.read_text())
     measured: dict[tuple[str, int], list[tuple[int, dict[int, float]]]] = {}  # (type, batch bucket) -> cells
@@ -415,17 +426,9 @@ def engine_check(buckets: Sequence[dict[str, Any]], engine_json: Path, profile: 
         label = b["context_bucket"]
         row: dict[str, Any] = {"request_type": key[0], "batch_bucket": key[1], "context_bucket": label,
                                "share": b["share"], "tuned_k": b["tuned_k"]}
-        def rank(cell: tuple[int, dict[int, float]], label: str = label) -> tuple[int, int]:
-            """Cells inside the bucket first, the longest of them (a short-prompt cell that decoded past the
-            bucket below belongs to that one); then the nearest to the bucket's representative length."""
-            ctx = cell[0]
-            if DEFAULT_BUCKETS.context_bucket(ctx) == label:
-                return (0, -ctx)
-            return (1, abs(ctx - context_length(label)))
-
         cells = measured.get(key, [])
         if cells:
-            ctx, tok = min(cells, key=rank)
+            ctx, tok = min(cells, key=lambda cell: _rank_cell(cell[0], label))
             if b["tuned_k"] in tok:
                 best_k = max(tok, key=lambda k: tok[k])
                 row.update(best_k=best_k, ratio=tok[b["tuned_k"]] / tok[best_k], measured_context=ctx)

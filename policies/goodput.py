@@ -341,16 +341,16 @@ class GoodputPolicy(Policy):
         """A type without an incumbent: every type of the cell adopts the posterior mean's best."""
         if all(t in cell.incumbent for t in est.types):
             return None
+        seen = self._cost.ks_seen(est.bucket.batch_bucket, est.bucket.context_bucket)
+        top = max(seen, default=0)  # the largest k the cell's own rounds ran
         ks, reason = est.best, "first decision"
-        if max(ks) == 0 and not self._off_measured(est):
+        if max(ks) == 0 and not (0 in seen and top > 0):
             # Off on the shared fit alone is a guess: what a round costs once speculation is on (a multi-token
             # verify, the draft) over what a plain step costs is the part of the cost the fit transfers worst
             # between batch sizes. Measured (the demo, batch 2): the fit put k = 2 at 2.3x a plain round, the
             # cell's own rounds at 1.13x, and the cell went off at first sight and lost 24% to static k = 3 there.
             # Off is decided on this cell's measurements of both (``_probe_off`` then ``_switch``).
             ks, reason = est.shared(est.best_on), "first decision (on until measured)"
-        seen = self._cost.ks_seen(est.bucket.batch_bucket, est.bucket.context_bucket)
-        top = max(seen, default=0)
         if top > 0 and max(ks) > top:
             # Deeper than the cell ever ran: adopted only once measured, as a switch would be (served once first).
             largest = est.combos.max(axis=1)  # [C]
@@ -358,11 +358,6 @@ class GoodputPolicy(Policy):
             ks, reason = tuple(int(x) for x in est.combos[i]), f"first decision (within k={top}, measured)"
         cell.incumbent.update(zip(est.types, ks, strict=True))
         return _CellDecision(DecisionKind.FIRST, ks, reason)
-
-    def _off_measured(self, est: _Estimate) -> bool:
-        """The cell's own rounds measured speculation both off (k = 0) and on (some k > 0)."""
-        seen = self._cost.ks_seen(est.bucket.batch_bucket, est.bucket.context_bucket)
-        return 0 in seen and any(k > 0 for k in seen)
 
     def _hold(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
         """After a switch the incumbent stays for ``hold_decisions``: k flipping collapses throughput (vLLM #49548)."""
