@@ -109,6 +109,7 @@ GOODPUT_SPACE: dict[str, tuple[float, float, str]] = {
     "off_margin": (0.0, 0.3, "float"),
     "hold_decisions": (0, 10, "int"),
     "explore_radius": (1, 4, "int"),
+    "explore_margin": (0.0, 0.2, "float"),
     "prior_mean": (0.2, 0.9, "float"),
     "probe_every": (10, 200, "int"),
 }
