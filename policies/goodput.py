@@ -288,13 +288,9 @@ class GoodputPolicy(Policy):
         key = b.cell
         mix = self._acc.mix((b.target_version, b.draft_version), b.context_bucket)
         total = sum(mix.values())
-        cell = self._cells.get(key)
-        # The types of the recent mix, the asking one, and every type the cell already decides for: a type the mix
-        # lacks (no rows of its own in this context bucket yet, while its rows share the cell's rounds) must not
-        # split the cell into two joint choices. Before, code and structured asking one cell whose mix held only
-        # prose were decided as {code, prose} and {prose, structured}, each overwriting what the other served.
-        types = sorted(set(mix) | {b.request_type} | (set(cell.incumbent) if cell is not None else set()))
+        types = sorted(set(mix) | {b.request_type})
         w = np.array([max(mix.get(t, 0.0) / total if total else 0.0, MIN_TYPE_WEIGHT) for t in types])
+        cell = self._cells.get(key)
         if explore and cell is not None and cell.epoch == self._n_windows and b.request_type in cell.served:
             return self._result(cell, b.request_type)  # one decision per cell per batch of windows
         if not explore:  # the incumbent, not a probe or draw served this epoch

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
 from policies import DecisionKind, GoodputPolicy
 from policies._cost import CostModel
 from policies.base import Decision
-from telemetry.records import AcceptanceWindow, Bucket, Cell, CostWindow, Stat
+from telemetry.records import AcceptanceWindow, Bucket, CostWindow, Stat
 
 
 def _cost(bb: int, k: int, secs: float) -> CostWindow:
@@ -442,18 +440,3 @@ def test_a_settled_cell_stops_chasing_small_draws() -> None:
 def test_explore_margin_is_validated() -> None:
     with pytest.raises(ValueError, match="explore_margin"):
         GoodputPolicy(explore_margin=-0.01)
-
-
-def test_types_the_mix_lacks_share_one_joint_choice_of_their_cell() -> None:
-    # Only prose has acceptance rows in the long context bucket, but code and structured rows share the cell's
-    # rounds and ask for it: both are decided in one joint choice (each of the three types keeps a k in what the
-    # cell serves), not as {code, prose} and then {prose, structured}, the second overwriting the first.
-    p = GoodputPolicy(k_max=4, seed=0)
-    p.observe(AcceptanceWindow(target_version="t1", draft_version="d1", request_type="prose", context_bucket="<=2048",
-                               k=2, rows=50, drafted=100, accepted=60, emitted=110, hist=(10, 20, 20)))
-    cell = Cell("t1", "d1", 8, "<=2048")
-    for _ in range(2):  # two epochs: the second decides with the incumbents the first left
-        p.observe(replace(_cost(8, 2, 0.01), context_bucket="<=2048"))
-        served = {t: p.decide(Bucket("t1", "d1", t, 8, "<=2048")).k for t in ("code", "structured")}
-        assert set(p._cells[cell].served) == {"code", "prose", "structured"}
-    assert served == {t: p._cells[cell].served[t] for t in served}
