@@ -144,7 +144,7 @@ class GoodputPolicy(Policy):
         explore_radius: Thompson exploration tries ks within this distance of the incumbent (never 0).
         explore_margin: relative gain a Thompson draw must promise over the incumbent's draw before its ks are served
             to measure them (5%). A k measured in a few windows keeps a draw spread of a few percent, so at a 1%
-            margin some neighbour wins a draw in a quarter to half of a settled cell's decisions, each served at a k
+            margin some neighbour wins a draw in 15-50% of a settled cell's decisions, each served at a k
             the mean puts behind: the demo's learned run spent 62 of 176 decisions exploring, and a steady cell whose
             neighbours lie 2-4% behind its best explored in 38 of 120 late decisions (5% margin: 11;
             ``tests/policies/test_goodput.py``). A draw promising 5% is an unmeasured k (10% spread) or a real doubt;

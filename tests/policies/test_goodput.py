@@ -428,8 +428,8 @@ def _draw_explorations(explore_margin: float, seed: int, decisions: int = 80) ->
 
 
 def test_a_settled_cell_stops_chasing_small_draws() -> None:
-    # Neighbours within a few percent of the best: at a 1% margin a draw's noise alone keeps serving them (a
-    # quarter to half of the decisions, each at a k the mean puts behind); at explore_margin's default only draws
+    # Neighbours within a few percent of the best: at a 1% margin a draw's noise alone keeps serving them (15-50%
+    # of the late decisions, each at a k the mean puts behind); at explore_margin's default only draws
     # that promise a real gain are served.
     small = sum(_draw_explorations(0.01, s) for s in range(3))
     default = sum(_draw_explorations(GoodputPolicy().explore_margin, s) for s in range(3))
