@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -391,8 +393,7 @@ def test_a_first_decision_stays_within_the_ks_its_cell_ran() -> None:
     assert p.decide(b, explore=False).k > 3  # and the climb went on from there
 
 
-def _stationary_window(k: int, rng: np.random.Generator, bb: int = 4,
-                       rounds: int = 10) -> tuple[AcceptanceWindow, CostWindow]:
+def _stationary_window(k: int, rng: np.random.Generator, bb: int = 4) -> tuple[AcceptanceWindow, CostWindow]:
     """One window of a steady batch-4 cell at k: per-position acceptance 0.8, 0.7, 0.6, ... (k = 3 is best, k = 2 and
     k = 4 within 2-4% of it) and round seconds affine in k with 3% noise."""
     hist = [0] * (k + 1)
@@ -402,14 +403,8 @@ def _stationary_window(k: int, rng: np.random.Generator, bb: int = 4,
             n += 1
         hist[n] += 1
     acc = _acc("code", k, tuple(hist))
-    secs = (0.004 + 0.0006 * k) * float(np.exp(0.03 * rng.standard_normal()))
-    st = Stat(rounds, rounds * secs, rounds * secs * secs, secs)
-    zero = Stat(rounds, 0.0, 0.0, 0.0)
-    cost = CostWindow(target_version="t1", draft_version="d1", batch_bucket=bb, context_bucket="<=512", max_k=k,
-                      rounds=rounds, tokens_verified=rounds * bb * (k + 1),
-                      emitted=round(rounds * bb * (1 + acc.accepted / acc.rows)), batch_rows=rounds * bb, draft_s=zero,
-                      verify_s=st, other_s=zero, latency_p50=secs, latency_p95=secs, latency_p99=secs)
-    return acc, cost
+    cost = _cost(bb, k, (0.004 + 0.0006 * k) * float(np.exp(0.03 * rng.standard_normal())))
+    return acc, replace(cost, emitted=round(cost.batch_rows * (1 + acc.accepted / acc.rows)))
 
 
 def _draw_explorations(explore_margin: float, seed: int, decisions: int = 80) -> int:
