@@ -73,6 +73,7 @@ class PhaseResult:
     errors: int
     tpot_p50: float | None
     tpot_p99: float | None
+    tpots: tuple[float, ...] = ()  # each finished request's TPOT (s): percentiles pooled over repeats need them
 
     @property
     def tok_s(self) -> float:
@@ -81,7 +82,7 @@ class PhaseResult:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "concurrency": self.concurrency, "seconds": self.seconds, "tokens": self.tokens,
                 "tok_s": self.tok_s, "requests": self.requests, "completed": self.completed, "errors": self.errors,
-                "tpot_p50": self.tpot_p50, "tpot_p99": self.tpot_p99}
+                "tpot_p50": self.tpot_p50, "tpot_p99": self.tpot_p99, "tpots": list(self.tpots)}
 
 
 def _stream_completion(url: str, model: str, req: Any, rec: _Request) -> None:
@@ -170,4 +171,5 @@ def summarise(phase: LoadPhase, records: list[_Request], t0: float, t_end: float
         errors=sum(1 for r in records if r.error is not None),
         tpot_p50=float(np.percentile(arr, 50)) if arr is not None else None,
         tpot_p99=float(np.percentile(arr, 99)) if arr is not None else None,
+        tpots=tuple(tpots),
     )

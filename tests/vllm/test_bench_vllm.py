@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bench.vllm import median_runs, overall, verdict
@@ -19,6 +20,24 @@ def test_a_phase_counts_tokens_inside_its_window_and_tpot_of_finished_requests()
     assert (r.requests, r.completed, r.errors) == (3, 2, 1)
     assert r.tok_s == pytest.approx(1.1)
     assert r.tpot_p50 == pytest.approx((0.5 + 10.5 / 8) / 2)  # TPOT = (end - first) / (tokens - 1)
+    assert r.to_dict()["tpots"] == pytest.approx([0.5, 10.5 / 8])  # kept, for percentiles pooled over repeats
+
+
+def test_pooled_p99_and_the_repeat_spread_of_each_phase() -> None:
+    # Three repeats of one phase: the pooled p99 is taken over all 30 requests, not the median of three p99s.
+    runs = [[{**ph(10, 0.10), "tpots": [0.01] * 9 + [0.10]}], [{**ph(10, 0.02), "tpots": [0.01] * 9 + [0.02]}],
+            [{**ph(10, 0.05), "tpots": [0.01] * 9 + [0.05]}]]
+    m = median_runs(runs)[0]
+    assert m["tpot_p99"] == 0.05
+    assert m["tpot_p99_pooled"] == pytest.approx(float(np.percentile([0.01] * 27 + [0.10, 0.02, 0.05], 99)))
+    assert m["tpot_p99_repeat_spread"] == pytest.approx(0.10 / 0.02)
+    assert median_runs([[ph(10, 0.1)]])[0]["tpot_p99_pooled"] is None  # results from before tpots were kept
+    # The verdict reports spectune's pooled p99 over the phase's best static, and that static's own spread.
+    per = {"k3": [{**ph(80, 0.02), "tpot_p99_pooled": 0.030, "tpot_p99_repeat_spread": 1.5}], "k5": [ph(70, 0.02)],
+           "spectune": [{**ph(85, 0.02), "tpot_p99_pooled": 0.033}]}
+    v = verdict(_configs(per))
+    assert v["spectune"]["tpot_p99_pooled_over_best_static_by_phase"] == pytest.approx([1.1])
+    assert v["best_static_tpot_p99_repeat_spread_by_phase"] == [1.5]
 
 
 def ph(tok_s: float, p99: float, secs: float = 10.0) -> dict[str, Any]:
