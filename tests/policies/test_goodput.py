@@ -265,7 +265,7 @@ def test_reprobes_of_a_cell_that_stays_off_thin_out() -> None:
     assert d.kind is DecisionKind.REPROBE and off_since <= 4
 
 
-def _two_types(one_k_per_batch: bool) -> tuple[GoodputPolicy, dict[str, int]]:
+def _two_types(one_k_per_batch: bool, batch_bucket: int = 8) -> tuple[GoodputPolicy, dict[str, int]]:
     """Structured output accepts every draft, prose none: packed verification lets each draft its own k."""
     p = GoodputPolicy(k_max=4, seed=0, one_k_per_batch=one_k_per_batch)
     for bb in (1, 8):
@@ -278,7 +278,7 @@ def _two_types(one_k_per_batch: bool) -> tuple[GoodputPolicy, dict[str, int]]:
         p.observe(AcceptanceWindow(target_version="t1", draft_version="d1", request_type="prose",
                                    context_bucket="<=512", k=4, rows=100, drafted=400, accepted=0, emitted=100,
                                    hist=(100, 0, 0, 0, 0)))
-    ks = {t: p.decide(Bucket("t1", "d1", t, 8, "<=512")).k for t in ("structured", "prose")}
+    ks = {t: p.decide(Bucket("t1", "d1", t, batch_bucket, "<=512")).k for t in ("structured", "prose")}
     return p, ks
 
 
@@ -290,6 +290,14 @@ def test_one_k_per_batch_gives_every_type_of_a_cell_the_same_k() -> None:
     q = GoodputPolicy(k_max=4, seed=0, one_k_per_batch=True)
     q.restore(p.snapshot())
     assert q.decide(Bucket("t1", "d1", "prose", 8, "<=512")).k == one["prose"]
+
+
+def test_one_k_per_batch_leaves_each_type_its_own_k_in_rounds_of_one_row() -> None:
+    # Batch bucket 1: a step holds one request and vLLM runs that request's k, so the types never share a k.
+    _, one = _two_types(one_k_per_batch=True, batch_bucket=1)
+    _, packed = _two_types(one_k_per_batch=False, batch_bucket=1)
+    assert one == packed
+    assert one["structured"] > one["prose"]
 
 
 def _memory_bound(bb: int, k: int) -> CostWindow:
