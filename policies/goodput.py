@@ -173,8 +173,8 @@ class GoodputPolicy(Policy):
             in which every row drafts it. Per-type ks would be folded by the engine into one k the policy never
             chose or costed. Except at batch bucket 1: a round of one row runs that row's k, so there each type
             keeps its own. One k there served code and prose alike at k = 5 on ``bench vllm``, where static k = 3
-            matched its throughput and the TPOT p99 of the batch-1 phases was 1.11-1.21x static k = 3's in both runs
-            that measured it (a row that accepts little pays for five drafts it does not keep). Per type, prose
+            matched its throughput and the TPOT p99 of the batch-1 phases was above 1.10x static k = 3's in five of
+            six over three runs (a row that accepts little pays for five drafts it does not keep). Per type, prose
             took k = 3 and code and structured k = 5, and a batch-1 load went from 0.916x to 1.006x static k = 5
             (``bench/results/vllm-c1-*.json``, one run each).
     """
