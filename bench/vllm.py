@@ -146,6 +146,14 @@ def verdict(per_config: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """tok/s over the whole load when each phase runs the fastest of ``names``."""
         return sum(max(per_config[c]["phases"][i]["tok_s"] for c in names) * secs[i] for i in range(n)) / sum(secs)
 
+    def over_phase_best(name: str, key: str) -> list[float | None]:
+        """Per phase, ``name``'s figure ``key`` over the same figure of that phase's best static (None: unmeasured)."""
+        ratios = []
+        for i in range(n):
+            mine, best = per_config[name]["phases"][i].get(key), per_config[best_static_phase[i]]["phases"][i].get(key)
+            ratios.append(mine / best if mine is not None and best else None)
+        return ratios
+
     per_phase_best = best_per_phase(statics)
     overall_of = {c: v["overall_tok_s"] for c, v in per_config.items()}
     best_single = max(statics, key=lambda c: overall_of[c])
@@ -168,18 +176,9 @@ def verdict(per_config: dict[str, dict[str, Any]]) -> dict[str, Any]:
             r["over_k5"] = tok / overall_of["k5"]
         head_b = out["ceiling_over_best_static"] - 1
         r["share_of_best_static_headroom"] = (r["over_best_static"] - 1) / head_b if head_b > 0 else None
-        worst = []
-        for i in range(n):
-            mine, best = per_config[name]["phases"][i]["tpot_p99"], per_config[best_static_phase[i]]["phases"][i][
-                "tpot_p99"]
-            worst.append(mine / best if mine is not None and best else None)
-        r["tpot_p99_over_best_static_by_phase"] = worst
-        pooled = []
-        for i in range(n):
-            mine, best = per_config[name]["phases"][i].get("tpot_p99_pooled"), per_config[best_static_phase[i]][
-                "phases"][i].get("tpot_p99_pooled")
-            pooled.append(mine / best if mine is not None and best else None)
-        r["tpot_p99_pooled_over_best_static_by_phase"] = pooled  # reported beside the target, which keeps its form
+        r["tpot_p99_over_best_static_by_phase"] = over_phase_best(name, "tpot_p99")
+        # reported beside the target, which keeps its form
+        r["tpot_p99_pooled_over_best_static_by_phase"] = over_phase_best(name, "tpot_p99_pooled")
         out[name] = r
     if K0_DRAFT in per_config and "k0" in per_config:
         # What a server that can speculate pays where it does not: the floor under spectune, phase by phase, and

@@ -71,13 +71,19 @@ class PhaseResult:
     requests: int  # requests started inside the window
     completed: int  # ... of which completed
     errors: int
-    tpot_p50: float | None
-    tpot_p99: float | None
-    tpots: tuple[float, ...] = ()  # each finished request's TPOT (s): percentiles pooled over repeats need them
+    tpots: tuple[float, ...]  # each finished request's TPOT (s): percentiles pooled over repeats need them
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tpot_p50(self) -> float | None:
+        return float(np.percentile(self.tpots, 50)) if self.tpots else None
+
+    @property
+    def tpot_p99(self) -> float | None:
+        return float(np.percentile(self.tpots, 99)) if self.tpots else None
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "concurrency": self.concurrency, "seconds": self.seconds, "tokens": self.tokens,
@@ -164,12 +170,9 @@ def summarise(phase: LoadPhase, records: list[_Request], t0: float, t_end: float
         tokens += inside[-1] if inside else 0
     tpots = [(r.end - r.first) / (r.tokens - 1) for r in records
              if r.error is None and r.end is not None and r.first is not None and r.tokens >= 2]
-    arr = np.array(tpots) if tpots else None
     return PhaseResult(
         name=phase.name, concurrency=phase.concurrency, seconds=t_end - t0, tokens=tokens, requests=len(records),
         completed=sum(1 for r in records if r.end is not None and r.error is None),
         errors=sum(1 for r in records if r.error is not None),
-        tpot_p50=float(np.percentile(arr, 50)) if arr is not None else None,
-        tpot_p99=float(np.percentile(arr, 99)) if arr is not None else None,
         tpots=tuple(tpots),
     )
