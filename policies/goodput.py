@@ -176,7 +176,10 @@ class GoodputPolicy(Policy):
             matched its throughput and the TPOT p99 of the batch-1 phases was above 1.10x static k = 3's in five of
             six over three runs (a row that accepts little pays for five drafts it does not keep). Per type, prose
             took k = 3 and code and structured k = 5, and a batch-1 load went from 0.916x to 1.006x static k = 5
-            (``bench/results/vllm-c1-*.json``, one run each).
+            (``bench/results/vllm-c1-*.json``, one run each). Known fault: at batch bucket 1 the joint evaluation still
+            credits a type at k = 0 with packed per-token savings that a one-row round does not have; in
+            ``bench/results/vllm-61751bd-run2.json`` it turned prose off at batch 1 while every shared k > 0 was
+            expected to beat off (k = 4 88.4 against 76.6 tok/s). Each type there should be scored on its own.
     """
 
     name = "goodput"
