@@ -144,10 +144,7 @@ def batch_goodput(
     n_types, n_k = emitted.shape
     w = np.asarray(mix, dtype=float)
     w = w / w.sum()
-    if shared_k or n_k**n_types > MAX_JOINT_COMBOS:
-        combos = np.repeat(np.arange(n_k)[:, None], n_types, axis=1)
-    else:
-        combos = np.array(list(itertools.product(range(n_k), repeat=n_types)), dtype=int).reshape(-1, n_types)
+    combos = _combos(n_types, n_k, shared_k)
     tok = batch_size * (emitted[np.arange(n_types)[None, :], combos] * w[None, :]).sum(axis=1)  # [C]
     m = np.arange(n_k)
     over = combos[:, :, None] > m[None, None, :]  # [C, T, K+1]: type t drafts past m
@@ -159,3 +156,45 @@ def batch_goodput(
         undrafted = batch_size * (pmf @ m - combos @ w)  # [C] E[tokens below the round's largest k], >= 0
         secs = np.maximum(secs - per_token_s * np.maximum(undrafted, 0.0), 0.5 * round_s[0])
     return combos, tok / np.maximum(secs, 1e-12)
+
+
+def solo_goodput(emitted: np.ndarray, mix: np.ndarray, round_s: np.ndarray,
+                 shared_k: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Expected goodput of every joint per-type choice of k when each round holds one row (batch size 1).
+
+    A row then runs alone at its own k, and a request needs its tokens whatever k is: choosing k changes how many
+    rounds it takes, not its share of the tokens. Goodput is the token-weighted harmonic mean of the per-type
+    rates ``r_t(k) = emitted[t, k] / round_s[k]``,
+
+        goodput = 1 / sum_t (mix_t / r_t(k_t)),
+
+    which each type maximises at its own best k. :func:`batch_goodput` with ``batch_size = 1`` instead holds each
+    type's share of the *rounds* fixed, pooling tokens over seconds: a type whose gain from drafting is below the
+    pool's average rate (prose beside code that accepts well) is then turned off, though off makes that type
+    slower and its requests take more rounds (``bench/results/vllm-61751bd-run2.json``: prose at batch 1 went off,
+    at 1.0 token per 21 ms against 1.52 per 26 ms at k = 1).
+
+    Args:
+        emitted: ``[T, K + 1]`` expected emitted tokens per row for each type and k.
+        mix: ``[T]`` each type's share of the tokens asked for (normalised here).
+        round_s: ``[K + 1]`` expected seconds of a one-row round at each k.
+        shared_k: force one k for every type.
+
+    Returns:
+        ``(combos [C, T] int, goodput [C])``, combos as :func:`batch_goodput` lists them.
+    """
+    n_types, n_k = emitted.shape
+    w = np.asarray(mix, dtype=float)
+    w = w / w.sum()
+    combos = _combos(n_types, n_k, shared_k)
+    rate = emitted / np.maximum(np.asarray(round_s, dtype=float), 1e-12)[None, :]  # [T, K+1] tokens per second
+    inv = (w[None, :] / np.maximum(rate[np.arange(n_types)[None, :], combos], 1e-12)).sum(axis=1)  # [C] s per token
+    return combos, 1.0 / inv
+
+
+def _combos(n_types: int, n_k: int, shared_k: bool) -> np.ndarray:
+    """``[C, T]`` every joint per-type choice of k in ``0..n_k - 1``; one shared k per row when ``shared_k`` or when
+    the grid would exceed ``MAX_JOINT_COMBOS``."""
+    if shared_k or n_k**n_types > MAX_JOINT_COMBOS:
+        return np.repeat(np.arange(n_k)[:, None], n_types, axis=1)
+    return np.array(list(itertools.product(range(n_k), repeat=n_types)), dtype=int).reshape(-1, n_types)

@@ -8,7 +8,10 @@ the work in a round, shared across buckets (:mod:`policies._cost`): at high batc
 ``k + 1`` and speculation can lose, so k = 0 is always a candidate.
 
 Request types share batches, so k is chosen jointly for them (:func:`policies.analytic.batch_goodput`, with
-the recent request mix of the context bucket); a bucket's k is its type's entry in that joint choice. A round
+the recent request mix of the context bucket); a bucket's k is its type's entry in that joint choice. At batch
+bucket 1 a round holds one row, so each type is scored on its own rounds (:func:`policies.analytic.solo_goodput`:
+a type's requests need their tokens whatever k is, and a k that shortens its rounds but emits less per round makes
+them take more rounds). A round
 runs draft steps up to its largest k, and under packed verification (``packed=True``, the reference engine and
 any engine that verifies only the tokens each row drafted) every token a row does not draft is saved, at the
 cost model's seconds per drafted token: types that accept well draft deep while the others stay shallow or
@@ -49,7 +52,7 @@ import numpy as np
 from policies._acceptance import AcceptanceModel, Versions
 from policies._cost import CostModel
 from policies._emitted import EmittedCalibration
-from policies.analytic import batch_goodput, emitted_by_k
+from policies.analytic import batch_goodput, emitted_by_k, solo_goodput
 from policies.base import Decision, DecisionKind, Policy, Window
 from telemetry.records import AcceptanceWindow, Bucket, Cell, CostWindow
 
@@ -176,10 +179,8 @@ class GoodputPolicy(Policy):
             matched its throughput and the TPOT p99 of the batch-1 phases was above 1.10x static k = 3's in five of
             six over three runs (a row that accepts little pays for five drafts it does not keep). Per type, prose
             took k = 3 and code and structured k = 5, and a batch-1 load went from 0.916x to 1.006x static k = 5
-            (``bench/results/vllm-c1-*.json``, one run each). Known fault: at batch bucket 1 the joint evaluation still
-            credits a type at k = 0 with packed per-token savings that a one-row round does not have; in
-            ``bench/results/vllm-61751bd-run2.json`` it turned prose off at batch 1 while every shared k > 0 was
-            expected to beat off (k = 4 88.4 against 76.6 tok/s). Each type there should be scored on its own.
+            (``bench/results/vllm-c1-*.json``, one run each). Each type there is scored on its own rounds
+            (:func:`~policies.analytic.solo_goodput`, for every engine).
     """
 
     name = "goodput"
@@ -280,11 +281,15 @@ class GoodputPolicy(Policy):
         emitted = self._emitted.adjust(bucket.cell, emitted_by_k(cond[:, : self.k_max]), weights, rng)  # [T, K+1]
         b = self._cost.mean_batch(bucket.batch_bucket, bucket.context_bucket)
         secs = self._cost.predict(bucket.batch_bucket, bucket.context_bucket, b, rng).sum(axis=1)  # [K+1]
-        shared = self._one_k(bucket)
-        packed = self.packed and not shared
-        per_token = self._cost.per_token(bucket.batch_bucket, bucket.context_bucket) if packed else 0.0
-        combos, g = batch_goodput(emitted, weights, b, secs, shared_k=shared, per_token_s=per_token)
-        _, g_shared = batch_goodput(emitted, weights, b, secs, shared_k=True)
+        if bucket.batch_bucket == 1:  # one row per round: each type runs alone at its own k (see solo_goodput)
+            combos, g = solo_goodput(emitted, weights, secs)
+            _, g_shared = solo_goodput(emitted, weights, secs, shared_k=True)
+        else:
+            shared = self._one_k(bucket)
+            packed = self.packed and not shared
+            per_token = self._cost.per_token(bucket.batch_bucket, bucket.context_bucket) if packed else 0.0
+            combos, g = batch_goodput(emitted, weights, b, secs, shared_k=shared, per_token_s=per_token)
+            _, g_shared = batch_goodput(emitted, weights, b, secs, shared_k=True)
         if self.objective == "latency" and self._cost.fitted:
             assert self.latency_p99_s is not None
             allowed = (secs <= self.latency_p99_s) | (np.arange(secs.size) == 0)

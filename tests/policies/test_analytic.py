@@ -12,6 +12,7 @@ from policies.analytic import (
     expected_tokens_from_curve,
     expected_tokens_vec,
     optimal_draft_length,
+    solo_goodput,
     speedup,
 )
 
@@ -95,3 +96,32 @@ def test_batch_goodput_packed_rows_draft_their_own_k() -> None:
     assert g_pad[i] < g[i]
     same = int(np.flatnonzero((combos == (2, 2)).all(axis=1))[0])
     assert g_pad[same] == pytest.approx(g[same])
+
+
+def test_solo_goodput_scores_each_type_on_its_own_rounds() -> None:
+    """One row per round: a type whose rate is best at k = 1 keeps k = 1 beside a type that accepts far better.
+
+    Pooling tokens over seconds at fixed round shares (``batch_goodput`` at batch 1) turns that type off, since its
+    gain from drafting (0.52 tokens for 5 ms, 104 tok/s) is below the pool's rate; off makes it slower (47.6 tok/s
+    against 58.5) and its requests take more rounds, so the whole load takes longer.
+    """
+    secs = np.array([0.021, 0.026, 0.029, 0.032, 0.035, 0.038])  # [K+1] one-row round at each k
+    strong = emitted_by_k(np.full(5, 0.95))  # [6]
+    prose = np.array([1.0, 1.52, 1.78, 1.9, 1.95, 1.98])  # [6]
+    emitted = np.stack([strong, prose])  # [2, 6]
+    mix = np.array([0.7, 0.3])
+    pooled_combos, pooled = batch_goodput(emitted, mix, 1, secs)
+    assert tuple(pooled_combos[int(np.argmax(pooled))]) == (5, 0)  # the fault this function exists to avoid
+    combos, g = solo_goodput(emitted, mix, secs)
+    best = tuple(int(x) for x in combos[int(np.argmax(g))])
+    rates = emitted / secs[None, :]  # [2, 6]
+    assert best == (int(np.argmax(rates[0])), int(np.argmax(rates[1]))) == (5, 2)  # each type's own best k
+    i = int(np.flatnonzero((combos == best).all(axis=1))[0])
+    assert g[i] == pytest.approx(1.0 / (0.7 / rates[0, 5] + 0.3 / rates[1, 2]))
+    # The time to serve a fixed token demand is what it minimises: 70 + 30 tokens at these rates.
+    off = int(np.flatnonzero((combos == (5, 0)).all(axis=1))[0])
+    assert 70 / rates[0, 5] + 30 / rates[1, 2] < 70 / rates[0, 5] + 30 / rates[1, 0]
+    assert g[i] > g[off]
+    shared, g_shared = solo_goodput(emitted, mix, secs, shared_k=True)
+    assert shared.shape == (6, 2) and (shared[:, 0] == shared[:, 1]).all()
+    assert g_shared[3] == pytest.approx(g[int(np.flatnonzero((combos == (3, 3)).all(axis=1))[0])])

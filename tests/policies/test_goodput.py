@@ -300,6 +300,31 @@ def test_one_k_per_batch_leaves_each_type_its_own_k_in_rounds_of_one_row() -> No
     assert one["structured"] > one["prose"]
 
 
+def test_batch_one_keeps_a_type_on_whose_own_rate_is_best_on() -> None:
+    """Run 2 of ``bench vllm`` at 61751bd: at batch 1 the sidecar turned prose off beside code and structured
+    output that accept well. vLLM runs the draft at k = 0 too, so a one-row round costs 21 ms at k = 0 and 26 ms
+    at k = 1, where prose emits 1.52 tokens: 58 against 48 tok/s for prose's requests, which need their tokens
+    whatever k is. Scored at fixed round shares (tokens pooled over seconds) off won by 0.6%."""
+    p = GoodputPolicy(k_max=5, seed=0, one_k_per_batch=True)
+    for k in (0, 1, 3, 5):
+        secs = 0.021 + (0.002 + 0.003 * k if k else 0.0)  # 21, 26, 32, 38 ms
+        st = Stat(50, 50 * secs, 50 * secs * secs, secs)
+        zero = Stat(50, 0.0, 0.0, 0.0)
+        p.observe(CostWindow(target_version="t1", draft_version="d1", batch_bucket=1, context_bucket="<=512",
+                             max_k=k, rounds=50, tokens_verified=50 * (k + 1), emitted=50, batch_rows=50,
+                             draft_s=zero, verify_s=st, other_s=zero, latency_p50=secs, latency_p95=secs,
+                             latency_p99=secs))
+    for _ in range(20):
+        p.observe(_acc("code", 5, (5, 5, 5, 10, 15, 60)))
+        p.observe(_acc("structured", 5, (2, 3, 5, 5, 15, 70)))
+        p.observe(_acc("prose", 1, (24, 26)))
+        p.observe(_acc("prose", 3, (24, 13, 7, 6)))
+    ks = {t: p.decide(Bucket("t1", "d1", t, 1, "<=512"), explore=False).k for t in ("code", "structured", "prose")}
+    assert ks["code"] >= 4 and ks["structured"] >= 4
+    # prose's own emitted per second: k = 2 (1.78 tokens in 29 ms) beats k = 1 (1.52 in 26 ms) and off (1 in 21 ms)
+    assert ks["prose"] == 2
+
+
 def _memory_bound(bb: int, k: int) -> CostWindow:
     """Batch 1 on a memory-bound target: verifying k + 1 tokens costs little more than one (ENGINE_MS, batch 1)."""
     return _cost(bb, k, 0.002 + 0.0003 * k)
