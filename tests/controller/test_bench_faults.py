@@ -134,7 +134,9 @@ def test_slow_clients_and_the_forged_type_flood(tmp_path: Path, suite_of: list[S
     assert not sl["sidecar_crashed"] and (sl["windows_lost"], sl["windows_duplicated"]) == (0, 0), sl
     assert sl["slow_opened"] >= HOSTILE.slow_half_sent + HOSTILE.slow_tricklers and sl["slow_connect_failures"] == 0
     assert sl["slow_bytes_trickled"] > 0, sl
-    assert sl["health_probes"] > 10 and sl["health_p99_ms"] is not None and sl["http_p99_ms"] == sl["health_p99_ms"]
+    # Probes run one at a time for 3 s, each waiting for its answer: about 60 on an idle machine, 8 under a 3-worker
+    # suite beside vLLM (CI at 554005f). Their latency is the benchmark's figure; here they must have been measured.
+    assert sl["health_probes"] >= 3 and sl["health_p99_ms"] is not None and sl["http_p99_ms"] == sl["health_p99_ms"]
     assert sum(sl["health_codes"].values()) == sl["health_probes"], sl
     assert set(sl["slow_closed_by_server"]) == {"half_sent", "trickle"}, sl
 
