@@ -285,7 +285,7 @@ class GoodputPolicy(Policy):
             combos, g = solo_goodput(emitted, weights, secs)
             _, g_shared = solo_goodput(emitted, weights, secs, shared_k=True)
         else:
-            shared = self._one_k(bucket)
+            shared = self.one_k_per_batch  # the engine runs one k for the rows of a round
             packed = self.packed and not shared
             per_token = self._cost.per_token(bucket.batch_bucket, bucket.context_bucket) if packed else 0.0
             combos, g = batch_goodput(emitted, weights, b, secs, shared_k=shared, per_token_s=per_token)
@@ -296,12 +296,6 @@ class GoodputPolicy(Policy):
             g = np.where(allowed[combos.max(axis=1)], g, -np.inf)
             g_shared = np.where(allowed, g_shared, -np.inf)
         return combos, g, g_shared
-
-    def _one_k(self, bucket: Bucket) -> bool:
-        """Every type of the cell must be given one k: the engine runs one k per batch and the cell's rounds hold
-        more than one row. A round of one row (batch bucket 1) runs that row's own k, so its types never share one.
-        """
-        return self.one_k_per_batch and bucket.batch_bucket > 1
 
     def _decide(self, bucket: Bucket, explore: bool) -> Decision:
         b = bucket

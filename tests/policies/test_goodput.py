@@ -307,13 +307,7 @@ def test_batch_one_keeps_a_type_on_whose_own_rate_is_best_on() -> None:
     whatever k is. Scored at fixed round shares (tokens pooled over seconds) off won by 0.6%."""
     p = GoodputPolicy(k_max=5, seed=0, one_k_per_batch=True)
     for k in (0, 1, 3, 5):
-        secs = 0.021 + (0.002 + 0.003 * k if k else 0.0)  # 21, 26, 32, 38 ms
-        st = Stat(50, 50 * secs, 50 * secs * secs, secs)
-        zero = Stat(50, 0.0, 0.0, 0.0)
-        p.observe(CostWindow(target_version="t1", draft_version="d1", batch_bucket=1, context_bucket="<=512",
-                             max_k=k, rounds=50, tokens_verified=50 * (k + 1), emitted=50, batch_rows=50,
-                             draft_s=zero, verify_s=st, other_s=zero, latency_p50=secs, latency_p95=secs,
-                             latency_p99=secs))
+        p.observe(_cost(1, k, 0.021 + (0.002 + 0.003 * k if k else 0.0)))  # 21, 26, 32, 38 ms
     for _ in range(20):
         p.observe(_acc("code", 5, (5, 5, 5, 10, 15, 60)))
         p.observe(_acc("structured", 5, (2, 3, 5, 5, 15, 70)))
