@@ -66,6 +66,10 @@ PARTS = ("draft", "verify", "other")
 MIN_OWN_SLOPE_SPAN = 3  # two ks closer than this give a cell's own slope from noise, not from cost
 ROUNDS_PER_FULL_WINDOW = 10.0  # a window of r rounds counts r / (r + 10) windows of evidence
 ESTABLISHED_WINDOWS = 2.0  # a (cell, k) with this much evidence votes on the machine's current speed
+# Before a cell's windows say how much a window's seconds per round scatter, assume this relative spread, worth
+# this many windows (see CostModel.spread).
+PRIOR_SPREAD = 0.1
+PRIOR_SPREAD_WINDOWS = 2.0
 
 CostCell = tuple[int, str]  # (batch-size bucket, context bucket): what a round's cost is learnt per
 
@@ -81,10 +85,15 @@ class CostAggregate:
     other_s: float = 0.0
     windows: float = 0.0  # evidence in windows, each weighted r / (r + ROUNDS_PER_FULL_WINDOW)
     drafted: float = 0.0  # tokens drafted over every row and round (verified tokens minus rows)
+    window_s: float = 0.0  # sum over windows of weight x the window's seconds per round
+    window_s2: float = 0.0  # the same of its square: how much windows of this (cell, k) scatter
 
     def add(self, decay: float, rounds: float, batch_rows: float, draft_s: float, verify_s: float,
             other_s: float, windows: float, drafted: float) -> None:
-        """Decay the sums by ``decay`` and add one window's."""
+        """Decay the sums by ``decay`` and add one window's (``windows``: its weight as evidence)."""
+        x = (draft_s + verify_s + other_s) / rounds if rounds > 0 else 0.0
+        self.window_s = self.window_s * decay + windows * x
+        self.window_s2 = self.window_s2 * decay + windows * x * x
         self.rounds = self.rounds * decay + rounds
         self.batch_rows = self.batch_rows * decay + batch_rows
         self.draft_s = self.draft_s * decay + draft_s
@@ -216,6 +225,30 @@ class CostModel:
         return b > 1.01 * max(self.mean_batch(kb, kc) for kb, kc in known) or c > max(
             context_length(kc) for _, kc in known)
 
+    def windows(self, batch_bucket: int, ctx: str) -> dict[int, float]:
+        """k -> the cell's evidence at k, in (decayed, weighted) windows."""
+        return {k: v.windows for k, v in self._cell(batch_bucket, ctx).items()}
+
+    def spread(self, batch_bucket: int, ctx: str) -> float:
+        """Relative standard deviation of one window's seconds per round in this cell, pooled over its ks.
+
+        What a measured difference between two ks must be weighed against: on a shared 2-core VM the windows of
+        one (cell, k) scatter by 10-30% (another tenant, the batch moving within its bucket, prompts admitted
+        beside the decoding rows), so two ks measured in a few windows each can differ by several percent with
+        no difference in cost. Each k's scatter is taken around its own mean (its windows' weights as evidence,
+        one window of evidence spent on the mean), pooled over the cell's ks and shrunk toward ``PRIOR_SPREAD``
+        with ``PRIOR_SPREAD_WINDOWS``.
+        """
+        num, den = PRIOR_SPREAD_WINDOWS * PRIOR_SPREAD ** 2, PRIOR_SPREAD_WINDOWS
+        for v in self._cell(batch_bucket, ctx).values():
+            if v.windows <= 1.0 or v.window_s <= 0.0:
+                continue
+            mean = v.window_s / v.windows
+            sq = max(v.window_s2 - v.window_s * mean, 0.0)  # sum of weight x (x - mean)^2
+            num += sq / mean ** 2
+            den += v.windows - 1.0
+        return math.sqrt(num / den)
+
     def mean_batch(self, batch_bucket: int, ctx: str) -> float:
         cell = self._cell(batch_bucket, ctx).values()
         r = sum(v.rounds for v in cell)
@@ -342,7 +375,8 @@ class CostModel:
         self._agg = {}
         for rec in st["agg"]:
             cell = self._agg.setdefault((int(rec["batch_bucket"]), str(rec["context_bucket"])), {})
-            cell[int(rec["k"])] = CostAggregate(**{f: float(rec[f]) for f in AGGREGATE_FIELDS})
+            # window_s / window_s2 are absent from states saved before them: no spread measured yet
+            cell[int(rec["k"])] = CostAggregate(**{f: float(rec.get(f, 0.0)) for f in AGGREGATE_FIELDS})
         self._since_fit, self._n_seen = int(st["since_fit"]), int(st["n_seen"])
         self._speed = [float(x) for x in st["speed"]]
         coef = st["coef"]

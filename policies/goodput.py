@@ -22,9 +22,10 @@ acceptance that context bucket learnt (a batch of short rows beside one long pro
 What each cell's rounds emitted at each k corrects the acceptance model's prediction there
 (:mod:`policies._emitted`): a level for the cell, then each measured k from its own measurement.
 
-The incumbent k changes only when the posterior-mean gain exceeds
-``switch_margin``, and then holds for ``hold_decisions`` (vLLM issue #49548: K flipping 2 <-> 0 collapses
-throughput); turning speculation off needs ``off_margin`` and a measurement of k = 0 in that cell (switching
+The incumbent k changes only when the posterior-mean gain exceeds ``switch_margin`` plus ``noise_z`` standard errors
+of the cell's measured difference in cost between the two ks (windows scatter; a gain inside their scatter is not
+followed), and then holds for ``hold_decisions`` (vLLM issue #49548: K flipping 2 <-> 0 collapses throughput);
+turning speculation off needs ``off_margin`` and a measurement of k = 0 in that cell (switching
 back on costs the draft a catch-up of every token it missed). Exploration is Thompson sampling over the
 acceptance posteriors and the seconds of ks a cell was never measured at: when a draw favours the incumbent
 moved up or down (every type that drafts by the same step, within ``explore_radius``) by ``explore_margin``, that
@@ -181,6 +182,8 @@ class GoodputPolicy(Policy):
             took k = 3 and code and structured k = 5, and a batch-1 load went from 0.916x to 1.006x static k = 5
             (``bench/results/vllm-c1-*.json``, one run each). Each type there is scored on its own rounds
             (:func:`~policies.analytic.solo_goodput`, for every engine).
+        noise_z: standard errors of the measured difference in cost between the incumbent's k and the new best
+            that a switch must clear on top of its margin (see :meth:`_margin`); 0 switches on the margins alone.
     """
 
     name = "goodput"
@@ -192,23 +195,23 @@ class GoodputPolicy(Policy):
                  refit_every: int = 16, slope_cells: int = 2, off_margin: float = 0.10,
                  explore_radius: int = 2, packed: bool = True, reopen_rows: float = 10.0,
                  one_k_per_batch: bool = False, level_strength: float = 10.0, mix_rows: float = 1000.0,
-                 explore_margin: float = 0.05) -> None:
+                 explore_margin: float = 0.05, noise_z: float = 1.0) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
         if objective == "latency" and (latency_p99_s is None or latency_p99_s <= 0):
             raise ValueError("objective='latency' needs latency_p99_s > 0")
         if (switch_margin < 0 or off_margin < 0 or explore_margin < 0 or hold_decisions < 0 or probe_every < 1
-                or explore_radius < 1):
-            raise ValueError("switch_margin, off_margin, explore_margin, hold_decisions must be >= 0; probe_every, "
-                             "explore_radius >= 1")
+                or explore_radius < 1 or not noise_z >= 0):
+            raise ValueError("switch_margin, off_margin, explore_margin, hold_decisions, noise_z must be >= 0; "
+                             "probe_every, explore_radius >= 1")
         if reopen_rows < 0:
             raise ValueError(f"reopen_rows must be >= 0, got {reopen_rows}")
         self.off_margin, self.explore_radius, self.explore_margin = off_margin, explore_radius, explore_margin
         self.objective, self.latency_p99_s = objective, latency_p99_s
         self.switch_margin, self.hold_decisions, self.probe_every = switch_margin, hold_decisions, probe_every
         self.slope_cells, self.packed, self.reopen_rows = slope_cells, packed, reopen_rows
-        self.one_k_per_batch = one_k_per_batch
+        self.one_k_per_batch, self.noise_z = one_k_per_batch, noise_z
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay, level_strength, mix_rows)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every)
@@ -354,14 +357,30 @@ class GoodputPolicy(Policy):
     def _incumbent(cell: _Cell, est: _Estimate) -> tuple[int, ...]:
         return tuple(cell.incumbent[t] for t in est.types)
 
-    def _margin(self, k_from: int, k_to: int) -> float:
-        """Relative gain a switch must promise; turning speculation off must promise ``off_margin``."""
-        return self.off_margin if k_to == 0 < k_from else self.switch_margin
+    def _margin(self, bucket: Bucket, k_from: int, k_to: int) -> float:
+        """Relative gain a switch from ``k_from`` to ``k_to`` (a round's largest k) must promise.
+
+        ``switch_margin`` (``off_margin`` to turn speculation off), plus ``noise_z`` standard errors of the
+        difference between the two ks' measured seconds in this cell: each k's error is the cell's window spread
+        (:meth:`~policies._cost.CostModel.spread`) over the square root of its evidence in windows (plus the
+        shared fit's pseudo-windows, which is what its prediction blends in). A gain inside that error is the
+        windows' scatter, not cost: followed, it flaps (``bench vllm`` at 554005f, batch 4 and 16: 198 tables in
+        one run, mostly k 5 -> 4 -> 5).
+        """
+        base = self.off_margin if k_to == 0 < k_from else self.switch_margin
+        if self.noise_z == 0.0 or k_from == k_to:
+            return base
+        bb, ctx = bucket.batch_bucket, bucket.context_bucket
+        n, tau = self._cost.windows(bb, ctx), self._cost.prior_windows
+        se = self._cost.spread(bb, ctx) * float(np.sqrt(1.0 / (n.get(k_from, 0.0) + tau)
+                                                        + 1.0 / (n.get(k_to, 0.0) + tau)))
+        return base + self.noise_z * se
 
     def _beats_incumbent(self, cell: _Cell, est: _Estimate) -> bool:
         """The posterior mean's best beats the incumbent by the margin of that switch."""
         cur = self._incumbent(cell, est)
-        return bool(est.g_mean.max() > est.g_mean[est.index(cur)] * (1.0 + self._margin(max(cur), max(est.best))))
+        margin = self._margin(est.bucket, max(cur), max(est.best))
+        return bool(est.g_mean.max() > est.g_mean[est.index(cur)] * (1.0 + margin))
 
     def _first(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
         """A type without an incumbent: every type of the cell adopts the posterior mean's best."""
