@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -435,19 +436,25 @@ def _stationary_window(k: int, rng: np.random.Generator, bb: int = 4,
     return acc, replace(cost, emitted=round(cost.batch_rows * (1 + acc.accepted / acc.rows)))
 
 
+def _steady_cell(seed: int, decisions: int, noise: float = 0.03, **policy: Any) -> tuple[list[Decision], int]:
+    """A steady batch-4 cell (:func:`_stationary_window`) decided ``decisions`` times: every decision, and the k
+    its incumbent ends at."""
+    rng = np.random.default_rng(seed)
+    p = GoodputPolicy(k_max=8, seed=seed, **policy)
+    b = Bucket("t1", "d1", "code", 4, "<=512")
+    served = []
+    for _ in range(decisions):
+        served.append(d := p.decide(b))
+        for w in _stationary_window(d.k, rng, noise=noise):
+            p.observe(w)
+    return served, p.decide(b, explore=False).k
+
+
 def _draw_explorations(explore_margin: float, seed: int, decisions: int = 80) -> int:
     """Thompson explorations in the second half of a steady cell's decisions."""
-    rng = np.random.default_rng(seed)
-    p = GoodputPolicy(k_max=8, seed=seed, explore_margin=explore_margin)
-    b = Bucket("t1", "d1", "code", 4, "<=512")
-    n = 0
-    for i in range(decisions):
-        d = p.decide(b)
-        n += i >= decisions // 2 and d.reason == "explore: Thompson draw"
-        for w in _stationary_window(d.k, rng):
-            p.observe(w)
-    assert p.decide(b, explore=False).k in (2, 3, 4)  # it settled near the best either way
-    return n
+    served, k = _steady_cell(seed, decisions, explore_margin=explore_margin)
+    assert k in (2, 3, 4)  # it settled near the best either way
+    return sum(d.reason == "explore: Thompson draw" for d in served[decisions // 2:])
 
 
 def test_a_settled_cell_stops_chasing_small_draws() -> None:
@@ -467,16 +474,8 @@ def test_explore_margin_is_validated() -> None:
 
 def _switches(noise_z: float, seed: int, decisions: int = 160) -> tuple[int, int]:
     """Switches of a steady cell whose windows scatter by 20% (a shared 2-core VM), and its final k."""
-    rng = np.random.default_rng(seed)
-    p = GoodputPolicy(k_max=8, seed=seed, noise_z=noise_z)
-    b = Bucket("t1", "d1", "code", 4, "<=512")
-    n = 0
-    for _ in range(decisions):
-        d = p.decide(b)
-        n += d.kind == DecisionKind.SWITCH
-        for w in _stationary_window(d.k, rng, noise=0.2):
-            p.observe(w)
-    return n, p.decide(b, explore=False).k
+    served, k = _steady_cell(seed, decisions, noise=0.2, noise_z=noise_z)
+    return sum(d.kind == DecisionKind.SWITCH for d in served), k
 
 
 def test_a_gain_inside_the_windows_scatter_is_not_followed() -> None:
