@@ -29,7 +29,9 @@ turning speculation off needs ``off_margin`` and a measurement of k = 0 in that 
 back on costs the draft a catch-up of every token it missed). Exploration is Thompson sampling over the
 acceptance posteriors and the seconds of ks a cell was never measured at: when a draw favours the incumbent
 moved up or down (every type that drafts by the same step, within ``explore_radius``) by ``explore_margin``, that
-is served for one decision (measured, not adopted), never turning a type off and never from a cell that is off. The
+is served for one decision (measured, not adopted), never turning a type off and never from a cell that is off;
+each exploration the mean does not follow doubles the gain the next draw must promise, until a switch or an
+acceptance drift starts it over (exploration stops in a settled cell). The
 mean's best is adopted only at a largest k the cell has measured: a better k beyond them is served once first. A
 cell seen at one k only, beyond the batch/context range the cost model has measured, is probed once at a
 second k; a cell that is off is re-probed every ``probe_every`` decisions. A model update shows up as new
@@ -82,6 +84,7 @@ class _Cell:
     hold: int = 0  # decisions left before the incumbent may change again
     off: int = 0  # consecutive decisions that served speculation off
     reprobes: int = 0  # re-probes since the cell was last on by choice: each doubles the wait before the next
+    explored: int = 0  # Thompson explorations since the incumbent last changed: each doubles the next draw's margin
     probed: bool = False  # the cell's one cost probe has been served
     epoch: int = -1  # windows observed when ``served`` was chosen: one choice per cell per batch of windows
 
@@ -184,6 +187,10 @@ class GoodputPolicy(Policy):
             (:func:`~policies.analytic.solo_goodput`, for every engine).
         noise_z: standard errors of the measured difference in cost between the incumbent's k and the new best
             that a switch must clear on top of its margin (see :meth:`_margin`); 0 switches on the margins alone.
+        explore_doublings: exploration that stops. Each Thompson exploration that leaves the incumbent standing
+            doubles the gain the next draw must promise (``explore_margin`` times 2, 4, ... up to
+            ``2 ** explore_doublings``); a switch or an acceptance drift (:meth:`~policies.base.Policy.reopen`)
+            starts it over, not the clock. 0 keeps ``explore_margin`` for good (see :meth:`_explore`).
     """
 
     name = "goodput"
@@ -195,23 +202,23 @@ class GoodputPolicy(Policy):
                  refit_every: int = 16, slope_cells: int = 2, off_margin: float = 0.10,
                  explore_radius: int = 2, packed: bool = True, reopen_rows: float = 10.0,
                  one_k_per_batch: bool = False, level_strength: float = 10.0, mix_rows: float = 1000.0,
-                 explore_margin: float = 0.05, noise_z: float = 1.0) -> None:
+                 explore_margin: float = 0.05, noise_z: float = 1.0, explore_doublings: int = 3) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
         if objective == "latency" and (latency_p99_s is None or latency_p99_s <= 0):
             raise ValueError("objective='latency' needs latency_p99_s > 0")
         if (switch_margin < 0 or off_margin < 0 or explore_margin < 0 or hold_decisions < 0 or probe_every < 1
-                or explore_radius < 1 or not noise_z >= 0):
-            raise ValueError("switch_margin, off_margin, explore_margin, hold_decisions, noise_z must be >= 0; "
-                             "probe_every, explore_radius >= 1")
+                or explore_radius < 1 or not noise_z >= 0 or explore_doublings < 0):
+            raise ValueError("switch_margin, off_margin, explore_margin, hold_decisions, noise_z, explore_doublings "
+                             "must be >= 0; probe_every, explore_radius >= 1")
         if reopen_rows < 0:
             raise ValueError(f"reopen_rows must be >= 0, got {reopen_rows}")
         self.off_margin, self.explore_radius, self.explore_margin = off_margin, explore_radius, explore_margin
         self.objective, self.latency_p99_s = objective, latency_p99_s
         self.switch_margin, self.hold_decisions, self.probe_every = switch_margin, hold_decisions, probe_every
         self.slope_cells, self.packed, self.reopen_rows = slope_cells, packed, reopen_rows
-        self.one_k_per_batch, self.noise_z = one_k_per_batch, noise_z
+        self.one_k_per_batch, self.noise_z, self.explore_doublings = one_k_per_batch, noise_z, explore_doublings
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay, level_strength, mix_rows)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every)
@@ -261,7 +268,7 @@ class GoodputPolicy(Policy):
         self._best.clear()
         for (t, d, _bb, ctx), cell in self._cells.items():
             if (t, d, ctx) == (target_version, draft_version, context_bucket):
-                cell.hold, cell.probed, cell.epoch, cell.reprobes = 0, False, -1, 0
+                cell.hold, cell.probed, cell.epoch, cell.reprobes, cell.explored = 0, False, -1, 0, 0
 
     def _forget(self, request_type: str | None, versions: tuple[str, str] | None) -> None:
         self._acc.drop(request_type, versions)
@@ -437,7 +444,7 @@ class GoodputPolicy(Policy):
             # its per-row cost, and a switch held on that guess cost 3 windows at 0.82 of the oracle.
             return _CellDecision(DecisionKind.EXPLORE, est.best, f"try k={top} before switching: cost unmeasured")
         cell.incumbent.update(zip(est.types, est.best, strict=True))
-        cell.hold = self.hold_decisions
+        cell.hold, cell.explored = self.hold_decisions, 0
         if max(est.best) == 0:
             return _CellDecision(DecisionKind.OFF, est.best, "switch off: expected gain above off_margin")
         return _CellDecision(DecisionKind.SWITCH, est.best, "switch: expected gain above margin")
@@ -454,6 +461,12 @@ class GoodputPolicy(Policy):
         the mean (with ``off_margin``) or by a cost probe, not by a lucky draw. For the same reason a cell that is
         off is not explored by draws: it is re-probed every ``probe_every`` decisions, or switched back on by the
         mean. The incumbent stays; the next decision switches only if the measurement moved the mean.
+
+        Each exploration the mean did not follow is evidence the choice is settled: the next draw must promise twice
+        the gain (up to ``2 ** explore_doublings`` times ``explore_margin``). Without that a cell whose neighbours
+        lie a few percent behind keeps serving them on its draws' noise for as long as it runs: at c8b76bd most of
+        ``bench vllm``'s 270 published tables were such one-decision explorations and the return from them. A switch
+        or an acceptance drift starts it over (the issue's "the drift alert, not the clock, re-opens exploration").
         """
         cur = self._incumbent(cell, est)
         if max(cur) == 0:
@@ -466,8 +479,10 @@ class GoodputPolicy(Policy):
         if not moved:
             return None
         i_draw = max(sorted(moved), key=lambda i: float(est.g_draw[i]))
-        if not est.g_draw[i_draw] > est.g_draw[i_cur] * (1.0 + self.explore_margin):
+        margin = self.explore_margin * 2.0 ** min(cell.explored, self.explore_doublings)
+        if not est.g_draw[i_draw] > est.g_draw[i_cur] * (1.0 + margin):
             return None
+        cell.explored += 1
         return _CellDecision(DecisionKind.EXPLORE, tuple(int(x) for x in est.combos[i_draw]), "explore: Thompson draw")
 
     def _keep(self, cell: _Cell, est: _Estimate) -> _CellDecision:
@@ -522,7 +537,7 @@ class GoodputPolicy(Policy):
         cells = [{"target_version": t, "draft_version": d, "batch_bucket": bb, "context_bucket": ctx,
                   "incumbent": dict(c.incumbent), "served": dict(c.served), "kind": c.kind.value, "reason": c.reason,
                   "expected": {str(k): g for k, g in c.expected.items()}, "hold": c.hold, "off": c.off,
-                  "probed": c.probed, "epoch": c.epoch, "reprobes": c.reprobes}
+                  "probed": c.probed, "epoch": c.epoch, "reprobes": c.reprobes, "explored": c.explored}
                  for (t, d, bb, ctx), c in self._cells.items()]
         return {"acceptance": self._acc.get_state(), "cost": self._cost.get_state(), "cells": cells,
                 "emitted": self._emitted.get_state()}
@@ -541,4 +556,4 @@ class GoodputPolicy(Policy):
                 served={str(t): int(k) for t, k in r["served"].items()}, kind=DecisionKind(r["kind"]),
                 reason=str(r["reason"]), expected={int(k): float(g) for k, g in r["expected"].items()},
                 hold=int(r["hold"]), off=int(r["off"]), probed=bool(r["probed"]), epoch=int(r["epoch"]),
-                reprobes=int(r.get("reprobes", 0)))
+                reprobes=int(r.get("reprobes", 0)), explored=int(r.get("explored", 0)))

@@ -451,8 +451,8 @@ def _steady_cell(seed: int, decisions: int, noise: float = 0.03, **policy: Any) 
 
 
 def _draw_explorations(explore_margin: float, seed: int, decisions: int = 80) -> int:
-    """Thompson explorations in the second half of a steady cell's decisions."""
-    served, k = _steady_cell(seed, decisions, explore_margin=explore_margin)
+    """Thompson explorations in the second half of a steady cell's decisions, at a fixed draw margin."""
+    served, k = _steady_cell(seed, decisions, explore_margin=explore_margin, explore_doublings=0)
     assert k in (2, 3, 4)  # it settled near the best either way
     return sum(d.reason == "explore: Thompson draw" for d in served[decisions // 2:])
 
@@ -472,9 +472,60 @@ def test_explore_margin_is_validated() -> None:
         GoodputPolicy(explore_margin=-0.01)
 
 
+def _late_explorations(seed: int, noise: float, **policy: Any) -> int:
+    served, k = _steady_cell(seed, 160, noise=noise, **policy)
+    assert k in (2, 3, 4)
+    return sum(d.reason == "explore: Thompson draw" for d in served[80:])
+
+
+def test_exploration_stops_in_a_settled_cell() -> None:
+    # With a fixed draw margin a steady cell whose neighbours lie 2-4% behind keeps serving them on its draws' noise
+    # (each a table change and the return from it on an engine); each exploration the mean did not follow doubles
+    # the next draw's margin, so late in the run the cell serves its incumbent.
+    for noise in (0.03, 0.2):
+        fixed = sum(_late_explorations(s, noise, explore_doublings=0) for s in range(6))
+        stopping = sum(_late_explorations(s, noise) for s in range(6))
+        assert fixed >= 12, noise
+        assert stopping <= fixed / 6, (noise, fixed, stopping)
+
+
+def test_an_acceptance_drift_reopens_exploration() -> None:
+    # A settled cell, then the same 40 decisions twice from its snapshot: as it was, and after an acceptance
+    # drift in its bucket. The drift, not the clock, starts exploration over.
+    rng = np.random.default_rng(0)
+    b = Bucket("t1", "d1", "code", 4, "<=512")
+    settled = GoodputPolicy(k_max=8, seed=0)
+    for _ in range(120):
+        for w in _stationary_window(settled.decide(b).k, rng):
+            settled.observe(w)
+    assert settled._cells[b.cell].explored >= 2
+    counts = []
+    for drift in (False, True):
+        p = GoodputPolicy(k_max=8, seed=0)
+        p.restore(settled.snapshot())
+        assert p._cells[b.cell].explored == settled._cells[b.cell].explored  # kept in the state
+        if drift:
+            p.reopen("t1", "d1", "code", "<=512")
+            assert p._cells[b.cell].explored == 0
+        run = np.random.default_rng(1)
+        served = []
+        for _ in range(40):
+            served.append(d := p.decide(b))
+            for w in _stationary_window(d.k, run):
+                p.observe(w)
+        counts.append(sum(d.kind == DecisionKind.EXPLORE for d in served))
+    assert counts[1] > counts[0], counts
+
+
+def test_explore_doublings_is_validated() -> None:
+    with pytest.raises(ValueError, match="explore_doublings"):
+        GoodputPolicy(explore_doublings=-1)
+
+
 def _switches(noise_z: float, seed: int, decisions: int = 160) -> tuple[int, int]:
-    """Switches of a steady cell whose windows scatter by 20% (a shared 2-core VM), and its final k."""
-    served, k = _steady_cell(seed, decisions, noise=0.2, noise_z=noise_z)
+    """Switches of a steady cell whose windows scatter by 20% (a shared 2-core VM), and its final k (draws at a fixed
+    margin: the term is measured on its own)."""
+    served, k = _steady_cell(seed, decisions, noise=0.2, noise_z=noise_z, explore_doublings=0)
     return sum(d.kind == DecisionKind.SWITCH for d in served), k
 
 
