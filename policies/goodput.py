@@ -30,8 +30,8 @@ back on costs the draft a catch-up of every token it missed). Exploration is Tho
 acceptance posteriors and the seconds of ks a cell was never measured at: when a draw favours the incumbent
 moved up or down (every type that drafts by the same step, within ``explore_radius``) by ``explore_margin``, that
 is served for one decision (measured, not adopted), never turning a type off and never from a cell that is off;
-each exploration the mean does not follow doubles the gain the next draw must promise, until a switch or an
-acceptance drift starts it over (exploration stops in a settled cell). The
+each exploration of a measured k the mean does not follow doubles the gain the next draw of one must promise,
+until a switch or an acceptance drift starts it over (exploration stops in a settled cell). The
 mean's best is adopted only at a largest k the cell has measured: a better k beyond them is served once first. A
 cell seen at one k only, beyond the batch/context range the cost model has measured, is probed once at a
 second k; a cell that is off is re-probed every ``probe_every`` decisions. A model update shows up as new
@@ -187,10 +187,11 @@ class GoodputPolicy(Policy):
             (:func:`~policies.analytic.solo_goodput`, for every engine).
         noise_z: standard errors of the measured difference in cost between the incumbent's k and the new best
             that a switch must clear on top of its margin (see :meth:`_margin`); 0 switches on the margins alone.
-        explore_doublings: exploration that stops. Each Thompson exploration that leaves the incumbent standing
-            doubles the gain the next draw must promise (``explore_margin`` times 2, 4, ... up to
-            ``2 ** explore_doublings``); a switch or an acceptance drift (:meth:`~policies.base.Policy.reopen`)
-            starts it over, not the clock. 0 keeps ``explore_margin`` for good (see :meth:`_explore`).
+        explore_doublings: exploration that stops. Each Thompson exploration of a measured k that leaves the
+            incumbent standing doubles the gain the next draw of a measured k must promise (``explore_margin`` times
+            2, 4, ... up to ``2 ** explore_doublings``; a k the cell has barely run keeps the plain margin); a
+            switch or an acceptance drift (:meth:`~policies.base.Policy.reopen`) starts it over, not the clock. 0
+            keeps ``explore_margin`` for good (see :meth:`_explore`).
     """
 
     name = "goodput"
@@ -462,11 +463,15 @@ class GoodputPolicy(Policy):
         off is not explored by draws: it is re-probed every ``probe_every`` decisions, or switched back on by the
         mean. The incumbent stays; the next decision switches only if the measurement moved the mean.
 
-        Each exploration the mean did not follow is evidence the choice is settled: the next draw must promise twice
-        the gain (up to ``2 ** explore_doublings`` times ``explore_margin``). Without that a cell whose neighbours
-        lie a few percent behind keeps serving them on its draws' noise for as long as it runs: at c8b76bd most of
-        ``bench vllm``'s 270 published tables were such one-decision explorations and the return from them. A switch
-        or an acceptance drift starts it over (the issue's "the drift alert, not the clock, re-opens exploration").
+        Each exploration the mean did not follow is evidence the choice is settled: the next draw of a k the cell
+        has measured (at least the cost model's ``prior_windows`` of evidence) must promise twice the gain (up to
+        ``2 ** explore_doublings`` times ``explore_margin``). Without that a cell whose neighbours lie a few percent
+        behind keeps serving them on its draws' noise for as long as it runs: at c8b76bd most of ``bench vllm``'s 270
+        published tables were such one-decision explorations and the return from them. A k the cell has barely run
+        keeps the plain margin and is not counted: it is being measured, not doubted (at 8843a5d, which doubled for
+        every k, the vLLM cells' alternatives were left at 0.2-1.2 windows of evidence and the run gave 0.941x
+        static k = 3). A switch or an acceptance drift starts it over (the drift alert, not the clock, re-opens
+        exploration).
         """
         cur = self._incumbent(cell, est)
         if max(cur) == 0:
@@ -479,10 +484,14 @@ class GoodputPolicy(Policy):
         if not moved:
             return None
         i_draw = max(sorted(moved), key=lambda i: float(est.g_draw[i]))
-        margin = self.explore_margin * 2.0 ** min(cell.explored, self.explore_doublings)
+        k_draw = int(est.combos[i_draw].max())
+        n_draw = self._cost.windows(est.bucket.batch_bucket, est.bucket.context_bucket).get(k_draw, 0.0)
+        # A k whose own evidence is still outweighed by the shared fit's pseudo-windows is being measured, not doubted.
+        settled = n_draw >= self._cost.prior_windows
+        margin = self.explore_margin * (2.0 ** min(cell.explored, self.explore_doublings) if settled else 1.0)
         if not est.g_draw[i_draw] > est.g_draw[i_cur] * (1.0 + margin):
             return None
-        cell.explored += 1
+        cell.explored += settled
         return _CellDecision(DecisionKind.EXPLORE, tuple(int(x) for x in est.combos[i_draw]), "explore: Thompson draw")
 
     def _keep(self, cell: _Cell, est: _Estimate) -> _CellDecision:
