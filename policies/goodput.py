@@ -84,7 +84,7 @@ class _Cell:
     hold: int = 0  # decisions left before the incumbent may change again
     off: int = 0  # consecutive decisions that served speculation off
     reprobes: int = 0  # re-probes since the cell was last on by choice: each doubles the wait before the next
-    explored: int = 0  # Thompson explorations since the incumbent last changed: each doubles the next draw's margin
+    explored: int = 0  # draws of measured ks served since the incumbent last changed: each doubles the next margin
     probed: bool = False  # the cell's one cost probe has been served
     epoch: int = -1  # windows observed when ``served`` was chosen: one choice per cell per batch of windows
 
@@ -375,7 +375,7 @@ class GoodputPolicy(Policy):
         windows' scatter, not cost: followed, the incumbent moves with it (a steady cell with 20% window scatter:
         11 switches over four seeds at ``noise_z = 0``, 3 at 1; ``tests/policies/test_goodput.py``). It does not
         damp exploration: on ``bench vllm`` at c8b76bd most of the 270 tables were one-decision Thompson
-        explorations and the return from them (``explore_margin`` governs those).
+        explorations and the return from them (``explore_margin`` and ``explore_doublings`` govern those).
         """
         base = self.off_margin if k_to == 0 < k_from else self.switch_margin
         if self.noise_z == 0.0 or k_from == k_to:
