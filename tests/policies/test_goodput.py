@@ -437,25 +437,36 @@ def _stationary_window(k: int, rng: np.random.Generator, bb: int = 4,
     return acc, replace(cost, emitted=round(cost.batch_rows * (1 + acc.accepted / acc.rows)))
 
 
-def _steady_cell(seed: int, decisions: int, noise: float = 0.03, **policy: Any) -> tuple[list[Decision], int]:
-    """A steady batch-4 cell (:func:`_stationary_window`) decided ``decisions`` times: every decision, and the k
-    its incumbent ends at."""
-    rng = np.random.default_rng(seed)
-    p = GoodputPolicy(k_max=8, seed=seed, **policy)
-    b = Bucket("t1", "d1", "code", 4, "<=512")
+STEADY = Bucket("t1", "d1", "code", 4, "<=512")
+
+
+def _decide_steady(p: GoodputPolicy, rng: np.random.Generator, decisions: int, noise: float = 0.03) -> list[Decision]:
+    """``decisions`` decisions of :data:`STEADY`, each followed by its windows (:func:`_stationary_window`)."""
     served = []
     for _ in range(decisions):
-        served.append(d := p.decide(b))
+        served.append(d := p.decide(STEADY))
         for w in _stationary_window(d.k, rng, noise=noise):
             p.observe(w)
-    return served, p.decide(b, explore=False).k
+    return served
+
+
+def _steady_cell(seed: int, decisions: int, noise: float = 0.03, **policy: Any) -> tuple[list[Decision], int]:
+    """A steady batch-4 cell decided ``decisions`` times from cold: every decision, and the k its incumbent ends at."""
+    p = GoodputPolicy(k_max=8, seed=seed, **policy)
+    served = _decide_steady(p, np.random.default_rng(seed), decisions, noise)
+    return served, p.decide(STEADY, explore=False).k
+
+
+def _explorations(seed: int, decisions: int, late_from: int, **policy: Any) -> int:
+    """Thompson explorations from decision ``late_from`` on, in a steady cell that settles near its best."""
+    served, k = _steady_cell(seed, decisions, **policy)
+    assert k in (2, 3, 4)  # it settled near the best either way
+    return sum(d.reason == "explore: Thompson draw" for d in served[late_from:])
 
 
 def _draw_explorations(explore_margin: float, seed: int, decisions: int = 80) -> int:
     """Thompson explorations in the second half of a steady cell's decisions, at a fixed draw margin."""
-    served, k = _steady_cell(seed, decisions, explore_margin=explore_margin, explore_doublings=0)
-    assert k in (2, 3, 4)  # it settled near the best either way
-    return sum(d.reason == "explore: Thompson draw" for d in served[decisions // 2:])
+    return _explorations(seed, decisions, decisions // 2, explore_margin=explore_margin, explore_doublings=0)
 
 
 def test_a_settled_cell_stops_chasing_small_draws() -> None:
@@ -475,9 +486,7 @@ def test_explore_margin_is_validated() -> None:
 
 def _late_explorations(seed: int, **policy: Any) -> int:
     """Thompson explorations in the last third of 240 decisions of a steady cell."""
-    served, k = _steady_cell(seed, 240, **policy)
-    assert k in (2, 3, 4)
-    return sum(d.reason == "explore: Thompson draw" for d in served[160:])
+    return _explorations(seed, 240, 160, **policy)
 
 
 def test_exploration_stops_in_a_settled_cell() -> None:
@@ -497,7 +506,7 @@ def test_a_k_the_cell_has_barely_run_is_explored_at_the_plain_margin() -> None:
     # the exploration does not count; the same draw at the measured k = 2 is not served.
     rng = np.random.default_rng(0)
     p = GoodputPolicy(k_max=8, seed=0)
-    b = Bucket("t1", "d1", "code", 4, "<=512")
+    b = STEADY
     for k in (2, 3) * 10:
         for w in _stationary_window(k, rng):
             p.observe(w)
@@ -521,27 +530,19 @@ def test_a_k_the_cell_has_barely_run_is_explored_at_the_plain_margin() -> None:
 def test_an_acceptance_drift_reopens_exploration() -> None:
     # A settled cell, then the same 40 decisions twice from its snapshot: as it was, and after an acceptance
     # drift in its bucket. The drift, not the clock, starts exploration over.
-    rng = np.random.default_rng(0)
-    b = Bucket("t1", "d1", "code", 4, "<=512")
     settled = GoodputPolicy(k_max=8, seed=0)
-    for _ in range(120):
-        for w in _stationary_window(settled.decide(b).k, rng):
-            settled.observe(w)
-    assert settled._cells[b.cell].explored >= 2
+    _decide_steady(settled, np.random.default_rng(0), 120)
+    cell = STEADY.cell
+    assert settled._cells[cell].explored >= 2
     counts = []
     for drift in (False, True):
         p = GoodputPolicy(k_max=8, seed=0)
         p.restore(settled.snapshot())
-        assert p._cells[b.cell].explored == settled._cells[b.cell].explored  # kept in the state
+        assert p._cells[cell].explored == settled._cells[cell].explored  # kept in the state
         if drift:
             p.reopen("t1", "d1", "code", "<=512")
-            assert p._cells[b.cell].explored == 0
-        run = np.random.default_rng(1)
-        served = []
-        for _ in range(40):
-            served.append(d := p.decide(b))
-            for w in _stationary_window(d.k, run):
-                p.observe(w)
+            assert p._cells[cell].explored == 0
+        served = _decide_steady(p, np.random.default_rng(1), 40)
         counts.append(sum(d.kind == DecisionKind.EXPLORE for d in served))
     assert counts[1] > counts[0], counts
 
