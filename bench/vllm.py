@@ -10,15 +10,21 @@ Configurations, each a real ``vllm serve`` on its own port, all on the same load
 
 The first pass runs the whole load once against the ``spectune`` server with a cold sidecar; its windows are the
 telemetry the tuner and the live sidecar start from. Then every configuration runs the whole load ``repeats``
-times, interleaved (the order rotates each repeat), and medians are reported.
+times, interleaved phase by phase (phase i on every configuration, in an order rotated by repeat and phase, then
+phase i + 1), and medians are reported. Phase i draws the same requests on every configuration.
 
 The load steps its concurrency (1, 4, 16, 32 and back by default) over mixed code, prose and structured
 requests, a tenth of them with a long (~1.4k-token) prompt. Figures per phase and overall: tok/s, TPOT p50 and
 p99. The **ceiling** is measured in the same run: each phase's best static k over the best single static k, and
 over static k=3; no policy that picks one k per phase can beat it.
 
-Servers are started once and stay up (an idle vLLM costs about 1% of a core), so repeats interleave without
-restarts; ``--restart`` starts each configuration's server for its runs only (less memory, more time).
+Servers are started once and stay up (an idle vLLM costs about 1% of a core), so phases interleave without
+restarts; ``--restart`` starts each configuration's server for its runs only (less memory, more time), and then
+each configuration runs its whole load in its turn.
+
+Opt-in configurations (``--configs``): ``k0_draft`` (the draft loaded, k = 0: the floor of a server that can
+speculate) and ``k3_steered`` (spectune's whole path held at k = 3: what the path costs, apart from the policy).
+During every phase the bench also measures the CPU the sidecar and Redis take (share of one core).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import write_results
-from bench.vllm_load import LoadPhase, PhaseResult, run_phase
+from bench.vllm_load import LoadPhase, run_phase
 from controller.engines.vllm.serve import (
     DEFAULT_MODELS_DIR,
     DEFAULT_VLLM_VENV,
@@ -62,11 +68,17 @@ CONFIGS = (*STATIC, "tuned", "spectune")
 # over every scheduled token even at k = 0, to keep the draft's KV cache in step, so this is the fastest any
 # server that can speculate runs where speculation does not pay: spectune's floor, against k0's no-draft server.
 K0_DRAFT = "k0_draft"
-ALL_CONFIGS = (*STATIC, K0_DRAFT, "tuned", "spectune")
+# Opt-in (--configs): spectune's whole path held at k = 3: its scheduler with k_max = 5 and a fixed k = 3, windows
+# streamed to the live sidecar (as a second engine of the fleet). Against vLLM's own static k = 3 it prices the path
+# itself (vLLM's per-step k under a k_max of 5, telemetry, the sidecar's work beside the engine), apart from the
+# policy's choices.
+K3_STEERED = "k3_steered"
+ALL_CONFIGS = (*STATIC, K0_DRAFT, K3_STEERED, "tuned", "spectune")
 STATIC_K = {"k0": 0, "k3": 3, "k5": 5}
 K_MAX = 5  # spectune's choices: 0..5, every static k measured here among them
 READY_S = 600.0
 DEFAULT_CONCURRENCY = (1, 4, 16, 32, 16, 4, 1)
+PHASE_REQUEST_STRIDE = 1_000_000  # phase i draws requests i * stride, i * stride + 1, ... of the seeded stream
 
 
 @dataclass(frozen=True)
@@ -119,7 +131,7 @@ def median_runs(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]
         col = [r[i] for r in runs]
 
         def med(key: str, col: list[dict[str, Any]] = col) -> float | None:
-            vals = [c[key] for c in col if c[key] is not None]
+            vals = [c[key] for c in col if c.get(key) is not None]  # cpu shares: absent in older results
             return statistics.median(vals) if vals else None
 
         p99s = [c["tpot_p99"] for c in col if c["tpot_p99"] is not None]
@@ -130,6 +142,7 @@ def median_runs(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]
                     # every repeat, and how far the per-repeat p99 moves, say how much of a p99 ratio is noise
                     "tpot_p99_pooled": float(np.percentile(pooled, 99)) if pooled else None,
                     "tpot_p99_repeat_spread": max(p99s) / min(p99s) if p99s and min(p99s) > 0 else None,
+                    "sidecar_cpu_share": med("sidecar_cpu_share"), "redis_cpu_share": med("redis_cpu_share"),
                     "seconds": statistics.median(c["seconds"] for c in col)})
     return out
 
@@ -180,12 +193,16 @@ def verdict(per_config: dict[str, dict[str, Any]]) -> dict[str, Any]:
         # reported beside the target, which keeps its form
         r["tpot_p99_pooled_over_best_static_by_phase"] = over_phase_best(name, "tpot_p99_pooled")
         out[name] = r
+    def over(a: str, b: str) -> list[float]:
+        return [per_config[a]["phases"][i]["tok_s"] / per_config[b]["phases"][i]["tok_s"] for i in range(n)]
+
+    if K3_STEERED in per_config and "k3" in per_config:
+        # What spectune's path costs at the same k as vLLM's own static k = 3 (no policy in it)
+        out["k3_steered_over_k3"] = overall_of[K3_STEERED] / overall_of["k3"]
+        out["k3_steered_over_k3_by_phase"] = over(K3_STEERED, "k3")
     if K0_DRAFT in per_config and "k0" in per_config:
         # What a server that can speculate pays where it does not: the floor under spectune, phase by phase, and
         # the ceiling such a server can reach (per phase the best of k0_draft and the static k > 0).
-        def over(a: str, b: str) -> list[float]:
-            return [per_config[a]["phases"][i]["tok_s"] / per_config[b]["phases"][i]["tok_s"] for i in range(n)]
-
         out["k0_draft_over_k0_by_phase"] = over(K0_DRAFT, "k0")
         if "spectune" in per_config:
             out["spectune_over_k0_draft_by_phase"] = over("spectune", K0_DRAFT)
@@ -270,6 +287,9 @@ def server_configs(cfg: BenchConfig, prefix: str, schedule: tuple[tuple[int, int
             out[name] = replace(base, port=port, speculate=False)
         elif name == K0_DRAFT:
             out[name] = replace(base, port=port, k_max=K_MAX, fixed_k=0)
+        elif name == K3_STEERED:
+            out[name] = replace(base, port=port, k_max=K_MAX, fixed_k=3, redis_url=cfg.redis_url, prefix=prefix,
+                                engine_id="bench-vllm-k3-steered")
         elif name in STATIC_K:
             out[name] = replace(base, port=port, steer=False, k_max=STATIC_K[name])
         elif name == "tuned":
@@ -298,18 +318,79 @@ def down(server: Server) -> None:
         server.proc = None
 
 
-def run_load(server: Server, models: ServedModels, cfg: BenchConfig, say: Any) -> list[dict[str, Any]]:
-    """The whole load once against ``server``; the same request stream for every configuration."""
-    pool = PromptPool(cfg.seed, REPO / ".spectune_cache")
-    stream = RequestStream(pool, cfg.seed)
-    out: list[PhaseResult] = []
-    for ph in cfg.phases():
-        r = run_phase(server.url, models.target_version, ph, stream)
-        say(f"    {server.name} {ph.name}: {r.tok_s:7.1f} tok/s, TPOT p50 "
-            f"{(r.tpot_p50 or 0) * 1e3:6.1f} ms, p99 {(r.tpot_p99 or 0) * 1e3:6.1f} ms"
-            + (f", {r.errors} errors" if r.errors else ""))
-        out.append(r)
-    return [r.to_dict() for r in out]
+class CpuMeter:
+    """CPU seconds the sidecar process and the Redis server have used so far: what spectune's side of the loop
+    takes from the cores the engine runs on (both are idle while a static server runs)."""
+
+    def __init__(self, sidecar_pid: int, redis_url: str) -> None:
+        self.sidecar_pid = sidecar_pid
+        self.redis_url = redis_url
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def sidecar_s(self) -> float | None:
+        try:
+            fields_ = Path(f"/proc/{self.sidecar_pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields_[11]) + int(fields_[12])) / self._tick  # utime + stime (fields 14 and 15 of stat)
+
+    def redis_s(self) -> float | None:
+        import redis
+
+        try:
+            info = redis.Redis.from_url(self.redis_url, socket_timeout=2).info("cpu")
+        except redis.RedisError:
+            return None
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+    def read(self) -> tuple[float | None, float | None]:
+        return self.sidecar_s(), self.redis_s()
+
+
+def _share(before: float | None, after: float | None, wall_s: float) -> float | None:
+    return None if before is None or after is None or wall_s <= 0 else (after - before) / wall_s
+
+
+def phase_stream(pool: PromptPool, seed: int, index: int) -> RequestStream:
+    """The requests of phase ``index``: the same for every configuration whatever the earlier phases consumed
+    (a faster server draws more requests in phase 1; phase 2 must still start at the same request)."""
+    stream = RequestStream(pool, seed)
+    stream.issued = index * PHASE_REQUEST_STRIDE
+    return stream
+
+
+def run_one_phase(server: Server, models: ServedModels, cfg: BenchConfig, index: int, say: Any,
+                  meter: CpuMeter | None = None) -> dict[str, Any]:
+    """Phase ``index`` of the load once against ``server``. With a ``meter``, it also says what share of one core
+    the sidecar and Redis used during it."""
+    ph = cfg.phases()[index]
+    stream = phase_stream(PromptPool(cfg.seed, REPO / ".spectune_cache"), cfg.seed, index)
+    cpu0, t0 = (meter.read() if meter else (None, None)), time.monotonic()
+    r = run_phase(server.url, models.target_version, ph, stream)
+    cpu1, wall = (meter.read() if meter else (None, None)), time.monotonic() - t0
+    d = r.to_dict()
+    d["sidecar_cpu_share"] = _share(cpu0[0], cpu1[0], wall)
+    d["redis_cpu_share"] = _share(cpu0[1], cpu1[1], wall)
+    say(f"    {server.name} {ph.name}: {r.tok_s:7.1f} tok/s, TPOT p50 "
+        f"{(r.tpot_p50 or 0) * 1e3:6.1f} ms, p99 {(r.tpot_p99 or 0) * 1e3:6.1f} ms"
+        + (f", {r.errors} errors" if r.errors else "")
+        + (f", sidecar {100 * d['sidecar_cpu_share']:.1f}% of a core" if d["sidecar_cpu_share"] is not None
+           else ""))
+    return d
+
+
+def run_load(server: Server, models: ServedModels, cfg: BenchConfig, say: Any,
+             meter: CpuMeter | None = None) -> list[dict[str, Any]]:
+    """The whole load once against ``server``, phase after phase."""
+    return [run_one_phase(server, models, cfg, i, say, meter) for i in range(len(cfg.concurrency))]
+
+
+def slot_order(configs: Sequence[str], repeat: int, phase: int) -> list[str]:
+    """The order configurations run phase ``phase`` of repeat ``repeat`` in: rotated by both, so no configuration
+    always runs first (after another server's load) or last."""
+    n = len(configs)
+    r = (repeat + phase) % n
+    return list(configs[r:]) + list(configs[:r])
 
 
 def tune_schedule(db_url: str, work: Path, cfg: BenchConfig, models: ServedModels, say: Any
@@ -363,13 +444,14 @@ def run(cfg: BenchConfig, say: Any = print) -> dict[str, Any]:
     models = ensure_models(cfg.profile, DEFAULT_MODELS_DIR, say)
     t_start = time.time()
     sidecar = start_sidecar(cfg, db_url, prefix, work)
+    meter = CpuMeter(sidecar.proc.pid, cfg.redis_url)
     servers: dict[str, Server] = {}
     try:
         confs = server_configs(cfg, prefix, None, work)
         servers["spectune"] = Server("spectune", confs["spectune"])
         say(f"first pass: the whole load on spectune with a cold sidecar ({sidecar.url})")
         up(servers["spectune"], work, say)
-        first = [run_load(servers["spectune"], models, cfg, say) for _ in range(cfg.first_pass)]
+        first = [run_load(servers["spectune"], models, cfg, say, meter) for _ in range(cfg.first_pass)]
         time.sleep(3)  # the last windows reach the store
         tuned: dict[str, Any] = {}
         schedule = None
@@ -391,16 +473,25 @@ def run(cfg: BenchConfig, say: Any = print) -> dict[str, Any]:
         runs: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in cfg.configs}
         order = list(cfg.configs)
         for rep in range(cfg.repeats):
-            rot = order[rep % len(order):] + order[:rep % len(order)]
-            say(f"repeat {rep + 1}/{cfg.repeats}: {', '.join(rot)}")
-            for name in rot:
-                if cfg.restart:
+            if cfg.restart:  # one server up at a time: each runs the whole load in its turn
+                rot = slot_order(order, rep, 0)
+                say(f"repeat {rep + 1}/{cfg.repeats}: {', '.join(rot)}")
+                for name in rot:
                     up(servers[name], work, say)
                     if cfg.warmup_s > 0:
                         run_load(servers[name], models, replace(cfg, phase_s=cfg.warmup_s), say)
-                runs[name].append(run_load(servers[name], models, cfg, say))
-                if cfg.restart:
+                    runs[name].append(run_load(servers[name], models, cfg, say, meter))
                     down(servers[name])
+                continue
+            # Interleaved phase by phase: every configuration runs phase i within a minute or two of the others,
+            # so a spell when the machine runs slower (measured here: the same static k at 218 and 356 tok/s in
+            # one phase, minutes apart) lands on all of them rather than on whichever ran its whole load then.
+            say(f"repeat {rep + 1}/{cfg.repeats}, phase by phase")
+            for name in order:
+                runs[name].append([])
+            for i in range(len(cfg.concurrency)):
+                for name in slot_order(order, rep, i):
+                    runs[name][-1].append(run_one_phase(servers[name], models, cfg, i, say, meter))
         overhead = scheduler_overhead(work / "spectune-status.jsonl")
     finally:
         for s in servers.values():
@@ -510,6 +601,10 @@ def table(doc: dict[str, Any]) -> None:
         t.add_row(c, *[f"{p['tok_s']:.0f} / {(p['tpot_p99'] or 0) * 1e3:.0f}" for p in v["phases"]],
                   f"{v['overall_tok_s']:.1f}")
     Console().print(t)
+    shares = {c: [p.get("sidecar_cpu_share") for p in v["phases"]] for c, v in doc["configs"].items()}
+    if any(x is not None for xs in shares.values() for x in xs):
+        print("sidecar CPU, share of one core by phase (median of repeats): " + "; ".join(
+            f"{c} {[round(x, 3) if x is not None else None for x in xs]}" for c, xs in shares.items()))
     v = doc["verdict"]
     print(f"ceiling: per-phase best static over best single static ({v['best_single_static']}) "
           f"{v['ceiling_over_best_static']:.3f}x, over k3 {v['ceiling_over_k3']:.3f}x")
@@ -523,6 +618,9 @@ def table(doc: dict[str, Any]) -> None:
     if "best_static_tpot_p99_repeat_spread_by_phase" in v:
         print("TPOT p99 of each phase's best static, slowest repeat / fastest: "
               f"{_rounded(v['best_static_tpot_p99_repeat_spread_by_phase'])}")
+    if "k3_steered_over_k3" in v:
+        print(f"k3_steered (spectune's path held at k=3) over k3: {v['k3_steered_over_k3']:.3f} overall, by phase "
+              f"{[round(x, 3) for x in v['k3_steered_over_k3_by_phase']]}")
     if "k0_draft_over_k0_by_phase" in v:
         print(f"k0_draft (draft loaded, k=0) over k0 by phase {[round(x, 3) for x in v['k0_draft_over_k0_by_phase']]}; "
               f"ceiling with the draft loaded {v['ceiling_with_the_draft_loaded_over_best_static']:.3f}x best static")

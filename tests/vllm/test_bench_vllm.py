@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from bench.vllm import median_runs, overall, verdict
+from bench.vllm import (
+    K3_STEERED,
+    PHASE_REQUEST_STRIDE,
+    median_runs,
+    overall,
+    phase_stream,
+    slot_order,
+    verdict,
+)
 from bench.vllm_load import LoadPhase, _Request, summarise
+from controller.reference.workload import PromptPool
 
 
 def test_a_phase_counts_tokens_inside_its_window_and_tpot_of_finished_requests() -> None:
@@ -97,3 +107,41 @@ def test_the_floor_of_a_server_with_the_draft_loaded() -> None:
     assert v["spectune_over_k0_draft_by_phase"] == pytest.approx([78 / 38, 358 / 360])
     # per phase the best of k3 and k0_draft: 80 and 380, over the best single static (k3, 230)
     assert v["ceiling_with_the_draft_loaded_over_best_static"] == pytest.approx(230 / 230)
+
+
+def test_every_configuration_takes_every_place_in_the_phase_order() -> None:
+    configs = ["k0", "k3", "k5", "tuned", "spectune"]
+    orders = [slot_order(configs, rep, i) for rep in range(3) for i in range(7)]
+    assert all(sorted(o) == sorted(configs) for o in orders)  # each slot runs every configuration once
+    firsts = {o[0] for o in orders}
+    assert firsts == set(configs)  # no configuration always runs first, after another server's load
+    assert slot_order(configs, 0, 0) == configs
+    assert slot_order(configs, 1, 0) != slot_order(configs, 0, 0)  # the next repeat starts elsewhere
+
+
+def test_each_phase_draws_the_same_requests_whatever_the_earlier_phases_consumed(tmp_path: Path) -> None:
+    pool = PromptPool(0, tmp_path)
+    phase = LoadPhase("p", 4, 1.0).as_workload_phase()
+    fast, slow = phase_stream(pool, 0, 0), phase_stream(pool, 0, 0)
+    for _ in range(30):  # a fast server drew 30 requests in phase 0, a slow one 5
+        fast.next(phase)
+    for _ in range(5):
+        slow.next(phase)
+    a, b = phase_stream(pool, 0, 1).next(phase), phase_stream(pool, 0, 1).next(phase)
+    assert (a.request_id, a.request_type, a.prompt) == (b.request_id, b.request_type, b.prompt)
+    assert a.request_id == f"r{PHASE_REQUEST_STRIDE}"
+    assert phase_stream(pool, 0, 0).next(phase).request_id == "r0"  # phase 0 starts where the stream always did
+
+
+def test_the_price_of_spectunes_path_at_k3_and_the_cpu_beside_it() -> None:
+    per = {"k3": [ph(100, 0.02), ph(300, 0.05)], "k5": [ph(90, 0.02), ph(250, 0.06)],
+           K3_STEERED: [ph(95, 0.02), ph(300, 0.05)]}
+    v = verdict(_configs(per))
+    assert v["k3_steered_over_k3_by_phase"] == pytest.approx([0.95, 1.0])
+    assert v["k3_steered_over_k3"] == pytest.approx(395 / 400)
+    # CPU shares: medians over repeats, phases without a reading (an older result, a dead sidecar) left out
+    runs = [[{**ph(10, 0.1), "sidecar_cpu_share": 0.02}], [{**ph(10, 0.1), "sidecar_cpu_share": 0.04}],
+            [{**ph(10, 0.1), "sidecar_cpu_share": None}]]
+    m = median_runs(runs)[0]
+    assert m["sidecar_cpu_share"] == pytest.approx(0.03)
+    assert m["redis_cpu_share"] is None
