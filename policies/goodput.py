@@ -30,8 +30,9 @@ back on costs the draft a catch-up of every token it missed). Exploration is Tho
 acceptance posteriors and the seconds of ks a cell was never measured at: when a draw favours the incumbent
 moved up or down (every type that drafts by the same step, within ``explore_radius``) by ``explore_margin``, that
 is served for one decision (measured, not adopted), never turning a type off and never from a cell that is off;
-each exploration of a measured k the mean does not follow doubles the gain the next draw of one must promise,
-until a switch or an acceptance drift starts it over (exploration stops in a settled cell). The
+each exploration of a measured k the mean does not follow doubles the gain the next draw of one must promise
+once the mean puts that k a standard error behind, until a switch or an acceptance drift starts it over
+(exploration stops in a settled cell). Draws sample a measured k's seconds within their standard error too. The
 mean's best is adopted only at a largest k the cell has measured: a better k beyond them is served once first. A
 cell seen at one k only, beyond the batch/context range the cost model has measured, is probed once at a
 second k; a cell that is off is re-probed every ``probe_every`` decisions. A model update shows up as new
@@ -67,6 +68,9 @@ MAX_REPROBE_DOUBLINGS = 4  # an off cell whose re-probes keep confirming "off" w
 # the jump is then measured in the first cell where speculation off is a contender (larger batches).
 K0_PROBE_WITHIN = 0.25
 TRIM_FROM_ROUNDS = 4  # cost windows of at least this many rounds drop their slowest round (see _observe)
+# Exploration of a measured k slows down (explore_doublings) only once the mean puts it this many standard errors of
+# the measured difference behind the incumbent: "settled" by the confidence interval, not by a count of tries.
+SETTLED_Z = 1.0
 # Kinds that serve something other than the incumbent, to measure it.
 EXPLORING_KINDS = frozenset({DecisionKind.EXPLORE, DecisionKind.PROBE, DecisionKind.PROBE_OFF, DecisionKind.REPROBE})
 
@@ -192,6 +196,9 @@ class GoodputPolicy(Policy):
             2, 4, ... up to ``2 ** explore_doublings``; a k the cell has barely run keeps the plain margin); a
             switch or an acceptance drift (:meth:`~policies.base.Policy.reopen`) starts it over, not the clock. 0
             keeps ``explore_margin`` for good (see :meth:`_explore`).
+        cost_draws: Thompson draws sample a measured k's seconds within their standard error too (see
+            :class:`~policies._cost.CostModel`, ``draw_measured``); False draws only unmeasured ks' seconds and the
+            acceptance.
     """
 
     name = "goodput"
@@ -203,7 +210,8 @@ class GoodputPolicy(Policy):
                  refit_every: int = 16, slope_cells: int = 2, off_margin: float = 0.10,
                  explore_radius: int = 2, packed: bool = True, reopen_rows: float = 10.0,
                  one_k_per_batch: bool = False, level_strength: float = 10.0, mix_rows: float = 1000.0,
-                 explore_margin: float = 0.05, noise_z: float = 1.0, explore_doublings: int = 3) -> None:
+                 explore_margin: float = 0.05, noise_z: float = 1.0, explore_doublings: int = 3,
+                 cost_draws: bool = True) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
@@ -222,7 +230,7 @@ class GoodputPolicy(Policy):
         self.one_k_per_batch, self.noise_z, self.explore_doublings = one_k_per_batch, noise_z, explore_doublings
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay, level_strength, mix_rows)
-        self._cost = CostModel(k_max, cost_prior_windows, refit_every)
+        self._cost = CostModel(k_max, cost_prior_windows, refit_every, draw_measured=cost_draws)
         # What each cost cell's rounds emitted: corrects the acceptance model for the rows that share the cell's
         # rounds (a round is costed, and decided, at its longest row's context; see policies/_emitted.py).
         self._emitted = EmittedCalibration(cost_prior_windows, acceptance_decay)
@@ -380,11 +388,15 @@ class GoodputPolicy(Policy):
         base = self.off_margin if k_to == 0 < k_from else self.switch_margin
         if self.noise_z == 0.0 or k_from == k_to:
             return base
+        return base + self.noise_z * self._diff_se(bucket, k_from, k_to)
+
+    def _diff_se(self, bucket: Bucket, k_a: int, k_b: int) -> float:
+        """Relative standard error of the measured difference in seconds between ``k_a`` and ``k_b`` in the cell:
+        its window spread times the root of the two ks' inverse evidence (windows plus the fit's pseudo-windows)."""
         bb, ctx = bucket.batch_bucket, bucket.context_bucket
         n, tau = self._cost.windows(bb, ctx), self._cost.prior_windows
-        se = self._cost.spread(bb, ctx) * float(np.sqrt(1.0 / (n.get(k_from, 0.0) + tau)
-                                                        + 1.0 / (n.get(k_to, 0.0) + tau)))
-        return base + self.noise_z * se
+        return self._cost.spread(bb, ctx) * float(np.sqrt(1.0 / (n.get(k_a, 0.0) + tau)
+                                                          + 1.0 / (n.get(k_b, 0.0) + tau)))
 
     def _beats_incumbent(self, cell: _Cell, est: _Estimate) -> bool:
         """The posterior mean's best beats the incumbent by the margin of that switch."""
@@ -464,14 +476,17 @@ class GoodputPolicy(Policy):
         mean. The incumbent stays; the next decision switches only if the measurement moved the mean.
 
         Each exploration the mean did not follow is evidence the choice is settled: the next draw of a k the cell
-        has measured (at least the cost model's ``prior_windows`` of evidence) must promise twice the gain (up to
-        ``2 ** explore_doublings`` times ``explore_margin``). Without that a cell whose neighbours lie a few percent
-        behind keeps serving them on its draws' noise for as long as it runs: at c8b76bd most of ``bench vllm``'s 270
-        published tables were such one-decision explorations and the return from them. A k the cell has barely run
-        keeps the plain margin and is not counted: it is being measured, not doubted (at 8843a5d, which doubled for
-        every k, the vLLM cells' alternatives were left at 0.2-1.2 windows of evidence and the run gave 0.941x
-        static k = 3). A switch or an acceptance drift starts it over (the drift alert, not the clock, re-opens
-        exploration).
+        has measured (at least the cost model's ``prior_windows`` of evidence) and that the mean puts at least
+        ``SETTLED_Z`` standard errors of their measured difference behind the incumbent must promise twice the
+        gain (up to ``2 ** explore_doublings`` times ``explore_margin``). Without that a cell whose neighbours lie
+        a few percent behind keeps serving them on its draws' noise for as long as it runs: at c8b76bd most of
+        ``bench vllm``'s 270 published tables were such one-decision explorations and the return from them. A k
+        the cell has barely run keeps the plain margin and is not counted: it is being measured, not doubted (at
+        8843a5d, which doubled for every k, the vLLM cells' alternatives were left at 0.2-1.2 windows of evidence
+        and the run gave 0.941x static k = 3); so does a k whose gap to the incumbent is inside the error (with
+        c39cacb's policy, k = 3 at batch 4 stopped after 5 windows reading 8% behind k = 4, with an error of about
+        10%, while an engine held at k = 3 beside it measured 12% ahead). A switch or an acceptance drift starts it
+        over (the drift alert, not the clock, re-opens exploration).
         """
         cur = self._incumbent(cell, est)
         if max(cur) == 0:
@@ -486,8 +501,13 @@ class GoodputPolicy(Policy):
         i_draw = max(sorted(moved), key=lambda i: float(est.g_draw[i]))
         k_draw = int(est.combos[i_draw].max())
         n_draw = self._cost.windows(est.bucket.batch_bucket, est.bucket.context_bucket).get(k_draw, 0.0)
-        # A k whose own evidence is still outweighed by the shared fit's pseudo-windows is being measured, not doubted.
-        settled = n_draw >= self._cost.prior_windows
+        # Settled: the k has more of its own evidence than the shared fit's pseudo-windows, and the mean puts it
+        # behind the incumbent by at least one standard error of their measured difference. A k whose gap is
+        # inside the error is still being measured, not doubted (bench vllm here: k = 3 at batch 4 stopped after
+        # 5 windows that read 8% behind k = 4, with a standard error of about 10%).
+        gap = float(est.g_mean[i_cur] / max(float(est.g_mean[i_draw]), 1e-30)) - 1.0
+        settled = (n_draw >= self._cost.prior_windows
+                   and gap >= SETTLED_Z * self._diff_se(est.bucket, max(cur), k_draw))
         margin = self.explore_margin * (2.0 ** min(cell.explored, self.explore_doublings) if settled else 1.0)
         if not est.g_draw[i_draw] > est.g_draw[i_cur] * (1.0 + margin):
             return None
