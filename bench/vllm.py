@@ -359,12 +359,12 @@ def phase_stream(pool: PromptPool, seed: int, index: int) -> RequestStream:
     return stream
 
 
-def run_one_phase(server: Server, models: ServedModels, cfg: BenchConfig, index: int, say: Any,
-                  meter: CpuMeter | None = None) -> dict[str, Any]:
+def run_one_phase(server: Server, models: ServedModels, cfg: BenchConfig, pool: PromptPool, index: int,
+                  say: Any, meter: CpuMeter | None = None) -> dict[str, Any]:
     """Phase ``index`` of the load once against ``server``. With a ``meter``, it also says what share of one core
     the sidecar and Redis used during it."""
     ph = cfg.phases()[index]
-    stream = phase_stream(PromptPool(cfg.seed, REPO / ".spectune_cache"), cfg.seed, index)
+    stream = phase_stream(pool, cfg.seed, index)
     cpu0, t0 = (meter.read() if meter else (None, None)), time.monotonic()
     r = run_phase(server.url, models.target_version, ph, stream)
     cpu1, wall = (meter.read() if meter else (None, None)), time.monotonic() - t0
@@ -379,10 +379,10 @@ def run_one_phase(server: Server, models: ServedModels, cfg: BenchConfig, index:
     return d
 
 
-def run_load(server: Server, models: ServedModels, cfg: BenchConfig, say: Any,
+def run_load(server: Server, models: ServedModels, cfg: BenchConfig, pool: PromptPool, say: Any,
              meter: CpuMeter | None = None) -> list[dict[str, Any]]:
     """The whole load once against ``server``, phase after phase."""
-    return [run_one_phase(server, models, cfg, i, say, meter) for i in range(len(cfg.concurrency))]
+    return [run_one_phase(server, models, cfg, pool, i, say, meter) for i in range(len(cfg.concurrency))]
 
 
 def slot_order(configs: Sequence[str], repeat: int, phase: int) -> list[str]:
@@ -445,13 +445,14 @@ def run(cfg: BenchConfig, say: Any = print) -> dict[str, Any]:
     t_start = time.time()
     sidecar = start_sidecar(cfg, db_url, prefix, work)
     meter = CpuMeter(sidecar.proc.pid, cfg.redis_url)
+    pool = PromptPool(cfg.seed, REPO / ".spectune_cache")  # read once: every phase of every configuration draws from it
     servers: dict[str, Server] = {}
     try:
         confs = server_configs(cfg, prefix, None, work)
         servers["spectune"] = Server("spectune", confs["spectune"])
         say(f"first pass: the whole load on spectune with a cold sidecar ({sidecar.url})")
         up(servers["spectune"], work, say)
-        first = [run_load(servers["spectune"], models, cfg, say, meter) for _ in range(cfg.first_pass)]
+        first = [run_load(servers["spectune"], models, cfg, pool, say, meter) for _ in range(cfg.first_pass)]
         time.sleep(3)  # the last windows reach the store
         tuned: dict[str, Any] = {}
         schedule = None
@@ -469,7 +470,7 @@ def run(cfg: BenchConfig, say: Any = print) -> dict[str, Any]:
         if cfg.warmup_s > 0 and not cfg.restart:
             say(f"warm-up: the load once on every server, {cfg.warmup_s:g} s a phase, not measured")
             for name in cfg.configs:
-                run_load(servers[name], models, replace(cfg, phase_s=cfg.warmup_s), say)
+                run_load(servers[name], models, replace(cfg, phase_s=cfg.warmup_s), pool, say)
         runs: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in cfg.configs}
         order = list(cfg.configs)
         for rep in range(cfg.repeats):
@@ -479,8 +480,8 @@ def run(cfg: BenchConfig, say: Any = print) -> dict[str, Any]:
                 for name in rot:
                     up(servers[name], work, say)
                     if cfg.warmup_s > 0:
-                        run_load(servers[name], models, replace(cfg, phase_s=cfg.warmup_s), say)
-                    runs[name].append(run_load(servers[name], models, cfg, say, meter))
+                        run_load(servers[name], models, replace(cfg, phase_s=cfg.warmup_s), pool, say)
+                    runs[name].append(run_load(servers[name], models, cfg, pool, say, meter))
                     down(servers[name])
                 continue
             # Interleaved phase by phase: every configuration runs phase i within a minute or two of the others,
@@ -491,7 +492,7 @@ def run(cfg: BenchConfig, say: Any = print) -> dict[str, Any]:
                 runs[name].append([])
             for i in range(len(cfg.concurrency)):
                 for name in slot_order(order, rep, i):
-                    runs[name][-1].append(run_one_phase(servers[name], models, cfg, i, say, meter))
+                    runs[name][-1].append(run_one_phase(servers[name], models, cfg, pool, i, say, meter))
         overhead = scheduler_overhead(work / "spectune-status.jsonl")
     finally:
         for s in servers.values():

@@ -359,11 +359,8 @@ class CostModel:
             unmeasured = np.array([kk not in obs for kk in range(ks.size)])
             y[unmeasured] *= np.exp(self.explore_spread * rng.standard_normal(int(unmeasured.sum())))[:, None]
         if rng is not None and self.draw_measured and obs:
-            # A measured k is drawn too, within its standard error: the cell's window spread over the square root
-            # of its evidence plus the fit's pseudo-windows. Taken as exact, a k measured in a few unlucky windows
-            # was never drawn better than they said and stayed behind for good (bench vllm here: batch 4 held k = 4
-            # over 229 windows at 272 emitted tokens/s while its 5 windows at k = 3 read 251; the engine held at
-            # k = 3 beside it measured 306 over 202 windows).
+            # A measured k is drawn within its standard error (see the module docstring); taken as exact, a k
+            # measured in a few unlucky windows stayed behind for good (GoodputPolicy._explore has the case).
             sd = self.spread(batch_bucket, ctx)
             for kk in sorted(obs):
                 y[kk] *= math.exp(sd / math.sqrt(n_w[kk] + tau) * float(rng.standard_normal()))

@@ -501,10 +501,7 @@ class GoodputPolicy(Policy):
         i_draw = max(sorted(moved), key=lambda i: float(est.g_draw[i]))
         k_draw = int(est.combos[i_draw].max())
         n_draw = self._cost.windows(est.bucket.batch_bucket, est.bucket.context_bucket).get(k_draw, 0.0)
-        # Settled: the k has more of its own evidence than the shared fit's pseudo-windows, and the mean puts it
-        # behind the incumbent by at least one standard error of their measured difference. A k whose gap is
-        # inside the error is still being measured, not doubted (bench vllm here: k = 3 at batch 4 stopped after
-        # 5 windows that read 8% behind k = 4, with a standard error of about 10%).
+        # Settled: more own evidence than the fit's pseudo-windows, and at least SETTLED_Z standard errors behind.
         gap = float(est.g_mean[i_cur] / max(float(est.g_mean[i_draw]), 1e-30)) - 1.0
         settled = (n_draw >= self._cost.prior_windows
                    and gap >= SETTLED_Z * self._diff_se(est.bucket, max(cur), k_draw))
