@@ -47,8 +47,8 @@ The median (not a mean) lets one odd window move nothing.
 For Thompson sampling the seconds of a k the cell was never measured at are drawn around the prediction
 (log-normal, ``explore_spread``): a mis-extrapolated k then gets tried and measured instead of being ruled out
 for good by a deterministic guess. A measured k is drawn within its standard error (the cell's window spread over
-the square root of its windows), so a k measured in a few unlucky windows is tried again, and one measured in
-many is not.
+the square root of its windows, never wider than ``explore_spread``: a measurement never leaves a k less certain
+than no measurement), so a k measured in a few unlucky windows is tried again, and one measured in many is not.
 Model versions are not a feature: a new target of the same architecture keeps the cost learnt so far.
 """
 
@@ -149,7 +149,7 @@ class CostModel:
             raw seconds (see the module docstring).
         draw_measured: a Thompson draw (:meth:`predict` with ``rng``) also draws the seconds of a measured k,
             log-normal within its standard error (:meth:`spread` over the square root of its windows plus
-            ``prior_windows``); False keeps measured ks at their estimate.
+            ``prior_windows``, at most ``explore_spread``); False keeps measured ks at their estimate.
     """
 
     def __init__(self, k_max: int, prior_windows: float = 2.0, refit_every: int = 16, decay: float = 0.999,
@@ -361,9 +361,12 @@ class CostModel:
         if rng is not None and self.draw_measured and obs:
             # A measured k is drawn within its standard error (see the module docstring); taken as exact, a k
             # measured in a few unlucky windows stayed behind for good (GoodputPolicy._explore has the case).
+            # Never wider than a k nothing measured (explore_spread): a cell whose first windows scatter widely
+            # would otherwise draw its measured ks further than its guesses, and explore from scratch.
             sd = self.spread(batch_bucket, ctx)
             for kk in sorted(obs):
-                y[kk] *= math.exp(sd / math.sqrt(n_w[kk] + tau) * float(rng.standard_normal()))
+                sigma = min(sd / math.sqrt(n_w[kk] + tau), self.explore_spread)
+                y[kk] *= math.exp(sigma * float(rng.standard_normal()))
         y = np.maximum(y, 0.0)
         y[0, 0] = 0.0  # no draft steps at k = 0
         floor = 0.05 * max(float(y[0].sum()), 1e-9)

@@ -533,23 +533,28 @@ def test_a_k_the_cell_has_barely_run_or_not_resolved_is_explored_at_the_plain_ma
 
 def test_a_measured_ks_seconds_are_drawn_within_their_standard_error() -> None:
     # Thompson draws of a measured k's seconds scatter by about spread / sqrt(windows + prior_windows): wide after a
-    # few windows, narrow after many, and not at all with draw_measured off.
+    # few windows, narrow after many, never wider than a k nothing measured (explore_spread), and not at all with
+    # draw_measured off.
     rng = np.random.default_rng(1)
 
-    def scatter(windows_at_2: int, draw: bool) -> float:
-        cost = CostModel(8, draw_measured=draw)
+    def scatter(windows_at_2: int, draw: bool, window_sigma: float = 0.1, explore_spread: float = 0.1) -> float:
+        cost = CostModel(8, draw_measured=draw, explore_spread=explore_spread)
         for k, reps in ((3, 40), (2, windows_at_2)):
             for _ in range(reps):
-                secs = 0.02 * (1 + 0.1 * k) * float(np.exp(0.2 * rng.standard_normal()))
+                secs = 0.02 * (1 + 0.1 * k) * float(np.exp(window_sigma * rng.standard_normal()))
                 cost.observe(4, "<=512", k, 10, 40, 0.1 * secs * 10, 0.9 * secs * 10, 0.0, drafted=40.0 * k)
         cost.refit()
         mean = cost.predict(4, "<=512").sum(axis=1)[2]
         draws = [cost.predict(4, "<=512", rng=np.random.default_rng(s)).sum(axis=1)[2] / mean for s in range(300)]
         return float(np.std(np.log(draws)))
 
+    # windows scattering by 10%: the standard error after 2 windows is about 0.07, after 60 about 0.013
     few, many = scatter(2, True), scatter(60, True)
-    assert 0.08 < few < 0.3
+    assert 0.04 < few < 0.1 * 1.15
     assert many < few / 3
+    # windows scattering by 60%: the standard error (about 0.35 after 2) is capped at explore_spread
+    assert 0.085 < scatter(2, True, window_sigma=0.6) < 0.1 * 1.15
+    assert 0.17 < scatter(2, True, window_sigma=0.6, explore_spread=0.2) < 0.2 * 1.15
     assert scatter(2, False) == 0.0
 
 
