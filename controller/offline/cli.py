@@ -181,9 +181,16 @@ def _export(args: argparse.Namespace) -> int:
     grid = pj.project_grid(traffic, full, contexts) if args.context_grid else None
     replay = _replay(stored, table, args.calibration, args.profile)
     if replay is not None:  # cost windows stored: the packed-round cost model chooses among the table's ks
-        schedule.update(replay.best_schedule(table))
+        replayed = replay.best_schedule(table)
+        schedule = pj.within_measured({**schedule, **replayed}, replayed)
         if grid is not None:
-            grid.update(replay.best_schedule(table, by_context=True))
+            replayed_g = replay.best_schedule(table, by_context=True)
+            merged = {**grid, **replayed_g}
+            grid = {}
+            for ctx in contexts:  # each context bucket's batch buckets held between its replayed ones
+                grid.update({(b, ctx): k for b, k in pj.within_measured(
+                    {b: k for (b, c), k in merged.items() if c == ctx},
+                    [b for b, c in replayed_g if c == ctx]).items()})
     if args.engine == "vllm":
         base = _json_arg(args.base, "--base") if args.base else None
         out = ex.vllm_export(schedule, grid, contexts, base, draft_model=args.draft_model, method=args.method,

@@ -1,10 +1,17 @@
 """Projecting spectune's (request type, batch, context) table onto what an engine can take, and what it costs.
 
 Engines take a schedule keyed by batch size only (or batch size and context). For each batch bucket the
-projection keeps one of the k values the table uses there: the one with the highest predicted goodput over the
-observed traffic mix of that batch bucket. The mix comes from the store: the share of rows per (request type,
-context bucket) from acceptance windows, and the share of rows per batch bucket within a context bucket from
-cost windows.
+projection keeps one of the k values the table uses: the one with the highest predicted goodput over the observed
+traffic mix of that batch bucket, under one physical constraint, that **k never rises with batch size**
+(:func:`non_increasing`). A round's verification grows with the tokens verified while a draft step's cost does
+not, so for the same traffic a larger batch is never served better deeper than a smaller one; a schedule that
+says otherwise (k = 2 at batch 5-8, then 3 at 9-16) fits the noise of a few windows, and one that speculates at
+k = 5 past the largest batch ever measured (the table's default there) is the kind of choice an operator stops
+trusting the tool over. Batch buckets with no traffic take the model's own guess, held between the ks of the
+nearest measured buckets around them (:func:`within_measured`).
+
+The mix comes from the store: the share of rows per (request type, context bucket) from acceptance windows, and
+the share of rows per batch bucket within a context bucket from cost windows.
 
 Predicted goodput is the analytic model of :func:`policies.analytic.speedup` (Leviathan et al. 2023, Theorem
 3.8), per row: ``speedup(alpha, k, c)`` with
@@ -23,7 +30,7 @@ of one round wait for its largest k, so it flatters the full table a little on e
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from policies.analytic import speedup
@@ -191,9 +198,11 @@ def predicted(traffic: Traffic, k_of: KFn, batches: Iterable[int] | None = None)
     return num / den if den else 0.0
 
 
-def best_k(traffic: Traffic, full: KFn, batches: Iterable[int], contexts: set[str] | None = None) -> int:
-    """The k, among those the full table uses in ``batches`` (and ``contexts``), with the highest predicted
-    goodput over their traffic; without observed windows, the k most of their traffic gets (ties: the smaller)."""
+def k_scores(traffic: Traffic, full: KFn, batches: Iterable[int], contexts: set[str] | None = None,
+             candidates: Iterable[int] | None = None) -> dict[int, float]:
+    """k -> predicted goodput summed over the traffic of ``batches`` (and ``contexts``), for ``candidates``
+    (default: the ks the full table uses there); without observed windows, k -> the share of that traffic the
+    table gives k (a vote). Weights are the traffic's own, so the scores of two batch buckets add up."""
     bs = list(batches)
     cells = [c for c in traffic.mix if contexts is None or c[1] in contexts]
     if not cells and contexts:  # no traffic seen in these contexts: the request types seen, at these contexts
@@ -201,24 +210,110 @@ def best_k(traffic: Traffic, full: KFn, batches: Iterable[int], contexts: set[st
     weights = {(cell, b): traffic.weight(cell, b) if cell in traffic.mix else 0.0 for cell in cells for b in bs}
     if sum(weights.values()) <= 0:  # no traffic seen there: every cell weighs the same
         weights = {key: 1.0 for key in weights}
-    candidates = sorted({full(cell[0], b, cell[1]) for cell, b in weights})
+    cands = sorted(set(candidates) if candidates is not None else {full(cell[0], b, cell[1]) for cell, b in weights})
     if not traffic.observed:
-        votes: dict[int, float] = defaultdict(float)
+        votes: dict[int, float] = dict.fromkeys(cands, 0.0)
         for (cell, b), w in weights.items():
-            votes[full(cell[0], b, cell[1])] += w
-        return max(candidates, key=lambda k: (votes[k], -k))
-    return max(candidates, key=lambda k: (sum(w * traffic.goodput(cell, b, k) for (cell, b), w in weights.items()),
-                                          -k))
+            k = full(cell[0], b, cell[1])
+            if k in votes:
+                votes[k] += w
+        return votes
+    return {k: sum(w * traffic.goodput(cell, b, k) for (cell, b), w in weights.items()) for k in cands}
+
+
+def best_k(traffic: Traffic, full: KFn, batches: Iterable[int], contexts: set[str] | None = None) -> int:
+    """The k, among those the full table uses in ``batches`` (and ``contexts``), with the highest predicted
+    goodput over their traffic; without observed windows, the k most of their traffic gets (ties: the smaller)."""
+    scores = k_scores(traffic, full, batches, contexts)
+    return max(scores, key=lambda k: (scores[k], -k))
+
+
+def non_increasing(scores: Mapping[int, Mapping[int, float]]) -> dict[int, int]:
+    """Batch bucket -> k maximising the summed score, with k never rising from one batch bucket to a larger one.
+
+    ``scores`` maps each batch bucket to ``{k: score}``; a k a bucket has no score for is not chosen there unless
+    nothing else keeps the schedule non-increasing. A dynamic programme over the buckets in ascending order (a
+    few buckets x a few ks). Among schedules of equal score the one with the smaller ks wins (drafting costs
+    memory and latency for nothing).
+    """
+    order = sorted(scores)
+    if not order:
+        return {}
+    ks = sorted(set().union(*(set(v) for v in scores.values())))
+    neg = float("-inf")
+    # best[k]: (score, -(sum of ks)) of the best schedule of the buckets so far ending at k
+    best: dict[int, tuple[float, int]] = {k: (scores[order[0]].get(k, neg), -k) for k in ks}
+    back: list[dict[int, int]] = []  # back[i][k]: the k of bucket i before, on the best schedule ending at k
+    for b in order[1:]:
+        nxt: dict[int, tuple[float, int]] = {}
+        prev: dict[int, int] = {}
+        for k in ks:
+            p = max((kk for kk in ks if kk >= k), key=lambda kk: best[kk])
+            s, t = best[p]
+            nxt[k] = (s + scores[b].get(k, neg), t - k)
+            prev[k] = p
+        best = nxt
+        back.append(prev)
+    k = max(ks, key=lambda kk: best[kk])
+    out = {order[-1]: k}
+    for i in range(len(order) - 1, 0, -1):
+        k = back[i - 1][k]
+        out[order[i - 1]] = k
+    return out
+
+
+def shallower(used: Iterable[int], here: Iterable[int]) -> list[int]:
+    """The candidates of one bucket under :func:`non_increasing`: the ks ``here`` (what the table uses in it) and
+    every smaller k in ``used`` (what it uses anywhere). The smallest k used anywhere is a candidate everywhere, so
+    a non-increasing schedule always exists."""
+    top = max(here, default=0)
+    return sorted({k for k in used if k <= top} | set(here))
+
+
+def within_measured(schedule: Mapping[int, int], measured: Iterable[int]) -> dict[int, int]:
+    """``schedule`` with each bucket nothing measured held between the ks of the nearest measured buckets around
+    it: no deeper than the measured bucket below it (past the largest batch measured, the largest's k) and no
+    shallower than the one above it. Measured buckets keep their k."""
+    m = sorted(b for b in set(measured) if b in schedule)
+    out = dict(schedule)
+    for b, k in schedule.items():
+        if b in m:
+            continue
+        below = [x for x in m if x < b]
+        above = [x for x in m if x > b]
+        lo = schedule[above[0]] if above else 0
+        hi = schedule[below[-1]] if below else max(k, lo)
+        out[b] = min(max(k, lo), hi)
+    return out
 
 
 def project_batches(traffic: Traffic, full: KFn) -> dict[int, int]:
-    """Batch bucket -> k (a batch-size-only schedule)."""
-    return {b: best_k(traffic, full, [b]) for b in traffic.batches}
+    """Batch bucket -> k (a batch-size-only schedule): the best non-increasing schedule over the batch buckets
+    with traffic, the others held between them (see the module docstring)."""
+    return _project(traffic, full, None)
 
 
 def project_grid(traffic: Traffic, full: KFn, contexts: Sequence[str]) -> dict[tuple[int, str], int]:
-    """(batch bucket, context bucket) -> k (vLLM's context-dependent schedule)."""
-    return {(b, ctx): best_k(traffic, full, [b], {ctx}) for b in traffic.batches for ctx in contexts}
+    """(batch bucket, context bucket) -> k (vLLM's context-dependent schedule), non-increasing in batch within
+    each context bucket."""
+    out: dict[tuple[int, str], int] = {}
+    for ctx in contexts:
+        out.update({(b, ctx): k for b, k in _project(traffic, full, {ctx}).items()})
+    return out
+
+
+def _project(traffic: Traffic, full: KFn, contexts: set[str] | None) -> dict[int, int]:
+    guess = {b: best_k(traffic, full, [b], contexts) for b in traffic.batches}
+    cells = [c for c in traffic.mix if contexts is None or c[1] in contexts]
+    measured = [b for b in traffic.batches if any(traffic.weight(c, b) > 0 for c in cells)]
+    if not measured:
+        return guess
+    # a bucket chooses among the ks the table uses there and the smaller ks it uses anywhere: the constraint may
+    # make a bucket draft less than its table says, never more
+    used = {full(c[0], b, c[1]) for c in cells for b in traffic.batches}
+    chosen = non_increasing({b: k_scores(traffic, full, [b], contexts, shallower(used, k_scores(
+        traffic, full, [b], contexts))) for b in measured})
+    return within_measured({**guess, **chosen}, measured)
 
 
 def projection_loss(full: float, projected: float) -> tuple[float, str | None]:

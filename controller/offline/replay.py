@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from controller.offline.project import non_increasing, shallower
 from controller.offline.simulator import Calibration, WindowSpec, expected_round, pmf_from_cond, simulate
 from policies._cost import CostModel
 from policies.base import Decision, Policy
@@ -453,26 +454,33 @@ class Replay:
 
     def best_schedule(self, table: PolicyTable, by_context: bool = False) -> dict[Any, int]:
         """Project ``table`` onto one k per batch bucket (``by_context``: per (batch bucket, context bucket)) for
-        every request type: among the ks the table uses there, the one with the highest replayed tokens/s over the
-        replayed windows of that bucket. The replay's cost is the packed round's (verification grows with the
-        tokens verified at large batch), which a per-row speedup model misses: it projects onto the deepest k.
+        every request type: the schedule with the highest replayed tokens/s whose k never rises with batch size
+        (per context bucket), each bucket choosing among the ks the table uses there and the smaller ones it uses
+        anywhere (:func:`controller.offline.project.non_increasing`, whose docstring says why). The replay's cost
+        is the packed round's (verification grows with the tokens verified at large batch), which a per-row
+        speedup model misses: it projects onto the deepest k.
 
-        Windows last the same wall time, so the bucket whose windows' summed goodput is highest maximises the
-        whole replay's tokens/s, bucket by bucket. Returns only buckets the replay has windows for."""
+        Windows last the same wall time, so the schedule whose windows' summed goodput is highest maximises the
+        whole replay's tokens/s. Returns only buckets the replay has windows for."""
         full = self.table_ks(table)
         groups: dict[Any, list[int]] = defaultdict(list)
         for i, (spec, bb) in enumerate(zip(self.load.specs, self.load.buckets, strict=True)):
             groups[(bb, spec.context) if by_context else bb].append(i)
         n_types = len(self.load.types)
+        here = {key: {k for i in idx for k in full(self.load.specs[i], self.load.buckets[i])}
+                for key, idx in groups.items()}
+        used = set().union(*here.values()) if here else set()
+
+        def total(k: int, idx: list[int]) -> float:
+            return sum(tok / secs for tok, secs in (self._round(self.load.specs[i], (k,) * n_types) for i in idx))
+
+        scores = {key: {k: total(k, idx) for k in shallower(used, here[key])} for key, idx in groups.items()}
+        if not by_context:
+            return non_increasing(scores)
         out: dict[Any, int] = {}
-        for key, idx in groups.items():
-            cands = sorted({k for i in idx for k in full(self.load.specs[i], self.load.buckets[i])})
-
-            def total(k: int, idx: list[int] = idx) -> float:
-                return sum(tok / secs for tok, secs in (self._round(self.load.specs[i], (k,) * n_types)
-                                                         for i in idx))
-
-            out[key] = max(cands, key=lambda k: (total(k), -k))
+        for ctx in {c for _, c in scores}:
+            out.update({(bb, ctx): k for bb, k in non_increasing(
+                {bb: v for (bb, c), v in scores.items() if c == ctx}).items()})
         return out
 
     def best_per_cell(self, caps: dict[tuple[str, int, str], int], base: KsFn,

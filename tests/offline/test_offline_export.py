@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from controller.cli import main as spectune
@@ -64,6 +65,55 @@ def test_projection_without_windows_votes_and_says_so() -> None:
     sched = pj.project_batches(t, pj.table_k(TABLE, t))
     assert sched[1] == 1  # code 4 vs prose 1 tie: the smaller k
     assert sched[256] == 0
+
+
+def _non_increasing_schedules(buckets: list[int], ks: list[int]) -> list[dict[int, int]]:
+    out: list[dict[int, int]] = [{}]
+    for b in sorted(buckets):
+        out = [{**s, b: k} for s in out for k in ks if not s or k <= s[max(s)]]
+    return out
+
+
+def test_the_schedule_is_the_best_one_that_never_drafts_deeper_at_a_larger_batch() -> None:
+    # Against brute force: no schedule whose k never rises with batch scores more, and ties keep the smaller ks.
+    rng = np.random.default_rng(0)
+    buckets, ks = [1, 2, 4, 8, 16], [0, 1, 3, 5]
+    for _ in range(50):
+        scores = {b: {k: float(rng.integers(0, 6)) for k in ks} for b in buckets}
+        got = pj.non_increasing(scores)
+        assert [got[b] for b in buckets] == sorted((got[b] for b in buckets), reverse=True)
+
+        def total(s: dict[int, int], scores: dict[int, dict[int, float]] = scores) -> float:
+            return sum(scores[b][s[b]] for b in s)
+
+        best = max(total(s) for s in _non_increasing_schedules(buckets, ks))
+        assert total(got) == best
+        assert sum(got.values()) == min(sum(s.values()) for s in _non_increasing_schedules(buckets, ks)
+                                        if total(s) == best)
+    # a noisy middle bucket (k = 2 at 5-8, then 3 at 9-16 with little to gain) does not make k rise again
+    assert pj.non_increasing({4: {5: 10.0, 2: 6.0}, 8: {2: 5.0, 3: 4.9}, 16: {3: 3.05, 2: 3.0}}) == {4: 5, 8: 2,
+                                                                                                     16: 2}
+
+
+def test_buckets_nothing_measured_are_held_between_their_measured_neighbours() -> None:
+    # The table's default (k = 5) past the largest batch measured, and a guess above its smaller neighbour's k
+    sched = {1: 5, 2: 5, 4: 3, 8: 4, 16: 1, 64: 5, 256: 5}
+    assert pj.within_measured(sched, [2, 4, 16]) == {1: 5, 2: 5, 4: 3, 8: 3, 16: 1, 64: 1, 256: 1}
+    assert pj.within_measured({1: 0, 4: 3}, [4]) == {1: 3, 4: 3}  # below the smallest measured: no shallower
+    assert pj.within_measured(sched, []) == sched
+
+
+def test_projection_never_drafts_at_a_large_batch_deeper_than_the_largest_batch_measured() -> None:
+    # Traffic at batch 1 and 8 only; the table says 4 for code everywhere up to 64: the schedule at 16-32 (no
+    # traffic) keeps batch 8's k, and a table that drafts less at 8 than at 1 keeps that order.
+    table = PolicyTable(version=3, default_k=5, k_max=8, entries={
+        f"{T}|{D}|code|1|*": 5, f"{T}|{D}|code|8|*": 2, f"{T}|{D}|code|16|*": 4, f"{T}|{D}|code|32|*": 4})
+    t = pj.traffic_from_windows([acc("code", 900, 0.9)], [cost(1, 4), cost(8, 4)], table)
+    sched = pj.project_batches(t, pj.table_k(table, t))
+    assert sched[1] == 5 and sched[8] == 2
+    assert all(sched[b] <= 2 for b in t.batches if b > 8), sched
+    ks = [sched[b] for b in sorted(sched)]
+    assert ks == sorted(ks, reverse=True)
 
 
 # -------------------------------------------------------------------------------------------------- vLLM
