@@ -185,12 +185,9 @@ def _export(args: argparse.Namespace) -> int:
         schedule = pj.within_measured({**schedule, **replayed}, replayed)
         if grid is not None:
             replayed_g = replay.best_schedule(table, by_context=True)
-            merged = {**grid, **replayed_g}
-            grid = {}
-            for ctx in contexts:  # each context bucket's batch buckets held between its replayed ones
-                grid.update({(b, ctx): k for b, k in pj.within_measured(
-                    {b: k for (b, c), k in merged.items() if c == ctx},
-                    [b for b, c in replayed_g if c == ctx]).items()})
+            # each context bucket's batch buckets held between its replayed ones
+            grid = pj.per_context({**grid, **replayed_g}, lambda ctx, g: pj.within_measured(
+                g, [b for b, c in replayed_g if c == ctx]))
     if args.engine == "vllm":
         base = _json_arg(args.base, "--base") if args.base else None
         out = ex.vllm_export(schedule, grid, contexts, base, draft_model=args.draft_model, method=args.method,

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from policies.analytic import speedup
 from telemetry.policy_table import lookup
@@ -43,6 +44,7 @@ PRIOR_DRAFT_COST = 0.1  # one draft step per verify forward, as policies._cost's
 
 Cell = tuple[str, str]  # (request type, context bucket)
 KFn = Callable[[str, int, str], int]  # (request type, batch bucket, context bucket) -> k
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,11 @@ def k_scores(traffic: Traffic, full: KFn, batches: Iterable[int], contexts: set[
 def best_k(traffic: Traffic, full: KFn, batches: Iterable[int], contexts: set[str] | None = None) -> int:
     """The k, among those the full table uses in ``batches`` (and ``contexts``), with the highest predicted
     goodput over their traffic; without observed windows, the k most of their traffic gets (ties: the smaller)."""
-    scores = k_scores(traffic, full, batches, contexts)
+    return _argmax(k_scores(traffic, full, batches, contexts))
+
+
+def _argmax(scores: Mapping[int, float]) -> int:
+    """The k with the highest score (ties: the smaller)."""
     return max(scores, key=lambda k: (scores[k], -k))
 
 
@@ -302,17 +308,27 @@ def project_grid(traffic: Traffic, full: KFn, contexts: Sequence[str]) -> dict[t
     return out
 
 
+def per_context(grid: Mapping[tuple[int, str], V], f: Callable[[str, dict[int, V]], Mapping[int, int]]
+                ) -> dict[tuple[int, str], int]:
+    """A batch-bucket function applied to each context bucket's slice of a (batch bucket, context bucket) grid:
+    ``f(context, {batch bucket: value})`` -> ``{batch bucket: k}``."""
+    out: dict[tuple[int, str], int] = {}
+    for ctx in dict.fromkeys(c for _, c in grid):
+        out.update({(b, ctx): k for b, k in f(ctx, {b: v for (b, c), v in grid.items() if c == ctx}).items()})
+    return out
+
+
 def _project(traffic: Traffic, full: KFn, contexts: set[str] | None) -> dict[int, int]:
-    guess = {b: best_k(traffic, full, [b], contexts) for b in traffic.batches}
+    own = {b: k_scores(traffic, full, [b], contexts) for b in traffic.batches}  # over the ks the table uses there
+    guess = {b: _argmax(sc) for b, sc in own.items()}  # best_k, bucket by bucket
     cells = [c for c in traffic.mix if contexts is None or c[1] in contexts]
     measured = [b for b in traffic.batches if any(traffic.weight(c, b) > 0 for c in cells)]
     if not measured:
         return guess
     # a bucket chooses among the ks the table uses there and the smaller ks it uses anywhere: the constraint may
     # make a bucket draft less than its table says, never more
-    used = {full(c[0], b, c[1]) for c in cells for b in traffic.batches}
-    chosen = non_increasing({b: k_scores(traffic, full, [b], contexts, shallower(used, k_scores(
-        traffic, full, [b], contexts))) for b in measured})
+    used = set().union(*own.values())
+    chosen = non_increasing({b: k_scores(traffic, full, [b], contexts, shallower(used, own[b])) for b in measured})
     return within_measured({**guess, **chosen}, measured)
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from controller.offline.project import non_increasing, shallower
+from controller.offline.project import non_increasing, per_context, shallower
 from controller.offline.simulator import Calibration, WindowSpec, expected_round, pmf_from_cond, simulate
 from policies._cost import CostModel
 from policies.base import Decision, Policy
@@ -477,11 +477,7 @@ class Replay:
         scores = {key: {k: total(k, idx) for k in shallower(used, here[key])} for key, idx in groups.items()}
         if not by_context:
             return non_increasing(scores)
-        out: dict[Any, int] = {}
-        for ctx in {c for _, c in scores}:
-            out.update({(bb, ctx): k for bb, k in non_increasing(
-                {bb: v for (bb, c), v in scores.items() if c == ctx}).items()})
-        return out
+        return per_context(scores, lambda _, sc: non_increasing(sc))
 
     def best_per_cell(self, caps: dict[tuple[str, int, str], int], base: KsFn,
                       max_combos: int = EXHAUSTIVE_COMBOS) -> dict[tuple[str, int, str], int]:

@@ -67,7 +67,8 @@ def test_projection_without_windows_votes_and_says_so() -> None:
     assert sched[256] == 0
 
 
-def _non_increasing_schedules(buckets: list[int], ks: list[int]) -> list[dict[int, int]]:
+def non_increasing_schedules(buckets: list[int], ks: list[int]) -> list[dict[int, int]]:
+    """Every schedule over ``buckets`` whose k (from ``ks``) never rises with batch (brute force for the tests)."""
     out: list[dict[int, int]] = [{}]
     for b in sorted(buckets):
         out = [{**s, b: k} for s in out for k in ks if not s or k <= s[max(s)]]
@@ -86,9 +87,9 @@ def test_the_schedule_is_the_best_one_that_never_drafts_deeper_at_a_larger_batch
         def total(s: dict[int, int], scores: dict[int, dict[int, float]] = scores) -> float:
             return sum(scores[b][s[b]] for b in s)
 
-        best = max(total(s) for s in _non_increasing_schedules(buckets, ks))
+        best = max(total(s) for s in non_increasing_schedules(buckets, ks))
         assert total(got) == best
-        assert sum(got.values()) == min(sum(s.values()) for s in _non_increasing_schedules(buckets, ks)
+        assert sum(got.values()) == min(sum(s.values()) for s in non_increasing_schedules(buckets, ks)
                                         if total(s) == best)
     # a noisy middle bucket (k = 2 at 5-8, then 3 at 9-16 with little to gain) does not make k rise again
     assert pj.non_increasing({4: {5: 10.0, 2: 6.0}, 8: {2: 5.0, 3: 4.9}, 16: {3: 3.05, 2: 3.0}}) == {4: 5, 8: 2,
