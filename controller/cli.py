@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k-max", type=int, default=8)
     p.add_argument("--one-k-per-batch", action="store_true",
                    help="the engines run one k per step for the whole batch (vLLM): give every request type of a "
-                        "cell the same k, except at batch 1 where a step runs its one row's k (goodput policy)")
+                        "cell the same k, except at batch 1 where a step runs its one row's k, and never a larger "
+                        "batch a deeper k than a settled smaller one (goodput policy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="0 picks a free port")

@@ -71,6 +71,9 @@ TRIM_FROM_ROUNDS = 4  # cost windows of at least this many rounds drop their slo
 # Exploration of a measured k slows down (explore_doublings) only once the mean puts it this many standard errors of
 # the measured difference behind the incumbent: "settled" by the confidence interval, not by a count of tries.
 SETTLED_Z = 1.0
+# A smaller batch bucket's incumbent caps the larger ones (batch_cap) once its k is measured there in this many
+# windows: the cost model's prior pseudo-windows are 2, so at 4 the cell's own rounds outweigh the shared fit.
+CAP_WINDOWS = 4.0
 # Kinds that serve something other than the incumbent, to measure it.
 EXPLORING_KINDS = frozenset({DecisionKind.EXPLORE, DecisionKind.PROBE, DecisionKind.PROBE_OFF, DecisionKind.REPROBE})
 
@@ -199,6 +202,15 @@ class GoodputPolicy(Policy):
         cost_draws: Thompson draws sample a measured k's seconds within their standard error too (see
             :class:`~policies._cost.CostModel`, ``draw_measured``); False draws only unmeasured ks' seconds and the
             acceptance.
+        batch_cap: a cell never drafts deeper than the settled incumbent of a smaller batch bucket of the same
+            versions and context bucket (:meth:`_cap`). With one k per batch a round verifies ``batch x (k + 1)``
+            tokens while a draft step's cost hardly grows with the batch, so for the same traffic a larger batch
+            is never served better at a deeper k: the rule the exported schedules follow
+            (:func:`controller.offline.project.non_increasing`). Only a smaller cell's incumbent caps (not what it
+            serves while exploring), and only once that k is measured there in ``CAP_WINDOWS`` windows and the
+            cell is not holding after a switch: one noisy window of a small batch cannot pull every larger one
+            down. The cap lowers an incumbent above it at once, masks the mean's and the draws' choices, and bounds
+            the probes.
     """
 
     name = "goodput"
@@ -211,7 +223,7 @@ class GoodputPolicy(Policy):
                  explore_radius: int = 2, packed: bool = True, reopen_rows: float = 10.0,
                  one_k_per_batch: bool = False, level_strength: float = 10.0, mix_rows: float = 1000.0,
                  explore_margin: float = 0.05, noise_z: float = 1.0, explore_doublings: int = 3,
-                 cost_draws: bool = True) -> None:
+                 cost_draws: bool = True, batch_cap: bool = False) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
@@ -228,6 +240,7 @@ class GoodputPolicy(Policy):
         self.switch_margin, self.hold_decisions, self.probe_every = switch_margin, hold_decisions, probe_every
         self.slope_cells, self.packed, self.reopen_rows = slope_cells, packed, reopen_rows
         self.one_k_per_batch, self.noise_z, self.explore_doublings = one_k_per_batch, noise_z, explore_doublings
+        self.batch_cap = batch_cap
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay, level_strength, mix_rows)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every, draw_measured=cost_draws)
@@ -235,9 +248,9 @@ class GoodputPolicy(Policy):
         # rounds (a round is costed, and decided, at its longest row's context; see policies/_emitted.py).
         self._emitted = EmittedCalibration(cost_prior_windows, acceptance_decay)
         self._cells: dict[Cell, _Cell] = {}
-        # cell -> (windows observed, the mean's best ks per type, expected goodput per shared k): every bucket of a
-        # quiet cell asks for the same answer, so one evaluation serves them all until a window arrives
-        self._best: dict[Cell, tuple[int, dict[str, int], dict[int, float]]] = {}
+        # cell -> (windows observed, the cap, the mean's best ks per type, expected goodput per shared k): every
+        # bucket of a quiet cell asks for the same answer, so one evaluation serves them all until a window arrives
+        self._best: dict[Cell, tuple[int, int, dict[str, int], dict[int, float]]] = {}
         # What a cell serves: the first of these rules that answers (the last one always does).
         self._rules: tuple[Rule, ...] = (self._first, self._hold, self._probe_off, self._switch, self._explore,
                                          self._keep)
@@ -292,9 +305,32 @@ class GoodputPolicy(Policy):
                 cell.served.pop(request_type, None)
 
     # ----------------------------------------------------------------------------------------- deciding
+    def _cap(self, bucket: Bucket) -> int:
+        """The deepest k the bucket's cell may serve (``batch_cap``): the smallest settled incumbent of the smaller
+        batch buckets of its versions and context bucket, each its deepest type's k; ``k_max`` when none is."""
+        cap = self.k_max
+        if not self.batch_cap:
+            return cap
+        here = (bucket.target_version, bucket.draft_version, bucket.context_bucket)
+        for (t, d, bb, ctx), cell in self._cells.items():
+            if (t, d, ctx) != here or bb >= bucket.batch_bucket or not cell.incumbent or cell.hold > 0:
+                continue
+            k = max(cell.incumbent.values())
+            if k < cap and self._cost.windows(bb, ctx).get(k, 0.0) >= CAP_WINDOWS:
+                cap = k
+        return cap
+
+    @staticmethod
+    def _lower(cell: _Cell, cap: int) -> None:
+        """An incumbent deeper than the cap comes down to it."""
+        for t, k in cell.incumbent.items():
+            if k > cap:
+                cell.incumbent[t] = cap
+
     def _evaluate(self, bucket: Bucket, types: list[str], weights: np.ndarray,
-                  rng: np.random.Generator | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Joint combos ``[C, T]``, their goodput ``[C]`` and the shared-k goodput ``[K + 1]``."""
+                  rng: np.random.Generator | None, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Joint combos ``[C, T]``, their goodput ``[C]`` and the shared-k goodput ``[K + 1]``; a choice deeper
+        than ``cap`` scores ``-inf``."""
         vd: Versions = (bucket.target_version, bucket.draft_version)
         cond = self._acc.conds(vd, types, bucket.context_bucket, rng)  # [T, K]
         emitted = self._emitted.adjust(bucket.cell, emitted_by_k(cond[:, : self.k_max]), weights, rng)  # [T, K+1]
@@ -314,6 +350,9 @@ class GoodputPolicy(Policy):
             allowed = (secs <= self.latency_p99_s) | (np.arange(secs.size) == 0)
             g = np.where(allowed[combos.max(axis=1)], g, -np.inf)
             g_shared = np.where(allowed, g_shared, -np.inf)
+        if cap < self.k_max:
+            g = np.where(combos.max(axis=1) <= cap, g, -np.inf)
+            g_shared = np.where(np.arange(g_shared.size) <= cap, g_shared, -np.inf)
         return combos, g, g_shared
 
     def _decide(self, bucket: Bucket, explore: bool) -> Decision:
@@ -326,41 +365,48 @@ class GoodputPolicy(Policy):
         cell = self._cells.get(key)
         if explore and cell is not None and cell.epoch == self._n_windows and b.request_type in cell.served:
             return self._result(cell, b.request_type)  # one decision per cell per batch of windows
+        cap = self._cap(b)
         if not explore:  # the incumbent, not a probe or draw served this epoch
             # A type without an incumbent adopts the posterior mean's best, which then stays its incumbent: a
             # quiet cell keeps its last k while the shared cost model moves with other cells' traffic.
             if cell is None:
                 cell = self._cells[key] = _Cell()
             cached = self._best.get(key)
-            if cached is not None and cached[0] == self._n_windows and b.request_type in cached[1]:
-                _, best, expected = cached
+            if cached is not None and cached[:2] == (self._n_windows, cap) and b.request_type in cached[2]:
+                _, _, best, expected = cached
             else:
-                combos, g_mean, g_shared = self._evaluate(b, types, w, None)
+                combos, g_mean, g_shared = self._evaluate(b, types, w, None, cap)
                 expected = {k: float(v) for k, v in enumerate(g_shared) if np.isfinite(v)}
                 best = dict(zip(types, (int(k) for k in combos[int(np.argmax(g_mean))]), strict=True))
-                self._best[key] = (self._n_windows, best, expected)
+                self._best[key] = (self._n_windows, cap, best, expected)
             cell.incumbent.update({t: k for t, k in best.items() if t not in cell.incumbent})
+            self._lower(cell, cap)
             ks = cell.incumbent
             return Decision(k=int(ks[b.request_type]), expected_goodput=dict(expected),
                             reason="current best, no exploration", kind=DecisionKind.BEST)
-        combos, g_mean, g_shared = self._evaluate(b, types, w, None)
+        combos, g_mean, g_shared = self._evaluate(b, types, w, None, cap)
         expected = {k: float(v) for k, v in enumerate(g_shared) if np.isfinite(v)}
-        _, g_draw, g_draw_shared = self._evaluate(b, types, w, self._rng)  # Thompson draw (same combos)
+        _, g_draw, g_draw_shared = self._evaluate(b, types, w, self._rng, cap)  # Thompson draw (same combos)
         if cell is None:
             cell = self._cells[key] = _Cell()
+        self._lower(cell, cap)
         est = _Estimate(b, tuple(types), combos, g_mean, g_shared, g_draw, g_draw_shared)
-        self._serve(cell, est, next(d for rule in self._rules if (d := rule(cell, est)) is not None))
+        self._serve(cell, est, next(d for rule in self._rules if (d := rule(cell, est)) is not None), cap)
         for override in self._overrides:
             d = override(cell, est)
             if d is not None:
-                self._serve(cell, est, d)
+                self._serve(cell, est, d, cap)
         cell.epoch = self._n_windows
         cell.expected = expected
         return self._result(cell, b.request_type)
 
     @staticmethod
-    def _serve(cell: _Cell, est: _Estimate, d: _CellDecision) -> None:
-        cell.served = dict(zip(est.types, d.ks, strict=True))
+    def _serve(cell: _Cell, est: _Estimate, d: _CellDecision, cap: int) -> None:
+        """Serve a rule's answer; no type deeper than the cap (a probe's or a first guess's k is not masked)."""
+        cell.served = dict(zip(est.types, (min(k, cap) for k in d.ks), strict=True))
+        for t in est.types:  # a first decision's ks were adopted before the clamp
+            if cell.incumbent.get(t, 0) > cap:
+                cell.incumbent[t] = cap
         cell.kind, cell.reason = d.kind, d.reason
 
     @staticmethod

@@ -62,7 +62,8 @@ class SidecarSettings:
     policy: str = "goodput"  # a name in policies.REGISTRY
     k_max: int = 8  # the largest k the policy may choose
     seed: int = 0  # the policy's RNG
-    # The engines run one k per step for the whole batch (vLLM): every request type of a cell gets the same k.
+    # The engines run one k per step for the whole batch (vLLM): every request type of a cell gets the same k, and a
+    # larger batch never drafts deeper than a settled smaller one (GoodputPolicy batch_cap).
     one_k_per_batch: bool = False
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)  # decision timing, start-up replay, caps
     lease: LeaseConfig | None = None  # the leader lease ({prefix}:leader); None: always the leader (one sidecar)
@@ -138,7 +139,8 @@ def build_sidecar(settings: SidecarSettings, *, transport: Transport | None = No
     """
     if (transport is None or publisher is None) and settings.redis_url is None:
         raise ValueError("build_sidecar needs a transport and a publisher, or SidecarSettings.redis_url")
-    policy_kw: dict[str, Any] = {"one_k_per_batch": True} if settings.one_k_per_batch else {}
+    # One k per batch: a larger batch never drafts deeper than a settled smaller one (GoodputPolicy's batch_cap).
+    policy_kw: dict[str, Any] = {"one_k_per_batch": True, "batch_cap": True} if settings.one_k_per_batch else {}
     policy = REGISTRY[settings.policy](k_max=settings.k_max, seed=settings.seed, **policy_kw)
     with ExitStack() as owned:
         store = owned.enter_context(Store(settings.db_url, auto_upgrade=settings.auto_upgrade))

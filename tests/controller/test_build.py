@@ -13,6 +13,7 @@ from controller.service.build import SidecarSettings, build_sidecar
 from controller.service.lease import LeaseConfig
 from controller.service.publish import CallbackPublisher, RedisPublisher
 from controller.service.sidecar import SidecarConfig
+from policies import GoodputPolicy
 from telemetry.ingest import ConsumerConfig
 from telemetry.records import PolicyTable
 from telemetry.transport import InProcessTransport
@@ -71,3 +72,13 @@ def test_redis_sidecar_with_lease_alerts_and_endpoint(redis_url: str, redis_pref
         service.close()
     with pytest.raises(OSError):  # the endpoint is closed with the service
         urllib.request.urlopen(f"{service.server.url}/health", timeout=2)
+
+
+def test_one_k_per_batch_caps_a_larger_batch_by_a_smaller_ones_k(sqlite_url: str) -> None:
+    # vLLM runs one k per step: its sidecar's policy never drafts a larger batch deeper than a settled smaller one.
+    for one_k, cap in ((True, True), (False, False)):
+        settings = SidecarSettings(db_url=sqlite_url, auto_upgrade=True, sidecar=FAST, one_k_per_batch=one_k)
+        with build_sidecar(settings, transport=InProcessTransport(), publisher=CallbackPublisher(print)) as service:
+            policy = service.sidecar.policy
+            assert isinstance(policy, GoodputPolicy)
+            assert policy.one_k_per_batch is one_k and policy.batch_cap is cap

@@ -620,3 +620,66 @@ def test_the_cost_model_measures_the_scatter_of_a_cells_windows() -> None:
 def test_noise_z_is_validated() -> None:
     with pytest.raises(ValueError, match="noise_z"):
         GoodputPolicy(noise_z=-1.0)
+
+
+# Per row emitted at k = 0..4 by a type whose rows accept (5, 5, 10, 10, 70) of 100 at k = 4.
+DEEP_EMIT = (1.0, 1.95, 2.85, 3.65, 4.35)
+B4, B16 = Bucket("t1", "d1", "code", 4, "<=512"), Bucket("t1", "d1", "code", 16, "<=512")
+
+
+def _deep_window(bb: int, k: int) -> CostWindow:
+    """Batch 4: each draft step is dear, k = 2 best (2.85 / 20 ms against 3.65 / 27 ms). Batch 16: its windows read
+    k = 4 best (4.35 / 55 ms against 2.85 / 50 ms), what a few scattered windows can say against the physics."""
+    secs = {4: (0.010, 0.016, 0.020, 0.027, 0.034), 16: (0.040, 0.046, 0.050, 0.053, 0.055)}[bb][k]
+    c = _cost(bb, k, secs)
+    return replace(c, emitted=round(c.batch_rows * DEEP_EMIT[k]))
+
+
+def _batch_capped(batch_cap: bool, small_windows: int = 10) -> GoodputPolicy:
+    """Batch 4 measured at every k in ``small_windows`` windows (10 rounds: about 0.45 windows of evidence each),
+    batch 16 at 0, 2 and 4 in 10."""
+    p = GoodputPolicy(k_max=4, seed=0, one_k_per_batch=True, batch_cap=batch_cap, hold_decisions=0)
+    for _ in range(20):
+        p.observe(_acc("code", 4, (5, 5, 10, 10, 70)))
+    for i in range(10):
+        for k in range(5):
+            if i < small_windows:
+                p.observe(_deep_window(4, k))
+        for k in (0, 2, 4):
+            p.observe(_deep_window(16, k))
+    return p
+
+
+def test_a_larger_batch_never_drafts_deeper_than_a_settled_smaller_one() -> None:
+    free = _batch_capped(batch_cap=False)
+    assert free.decide(B4, explore=False).k == 2 and free.decide(B16, explore=False).k == 4
+    p = _batch_capped(batch_cap=True)
+    assert p.decide(B4, explore=False).k == 2 and p.decide(B16, explore=False).k == 2
+    served4 = []
+    for _ in range(40):  # draws, probes and switches of either cell: batch 16 never serves past batch 4's incumbent
+        d4, d16 = p.decide(B4), p.decide(B16)
+        assert d16.k <= p.decide(B4, explore=False).k <= 2
+        served4.append(d4.k)
+        p.observe(_deep_window(4, d4.k))
+        p.observe(_deep_window(16, d16.k))
+    assert max(served4) > 2  # batch 4 explored deeper meanwhile, and that did not lift the cap
+
+
+def test_a_smaller_batch_caps_only_once_its_k_is_measured_and_not_holding() -> None:
+    # Batch 4's k = 2 measured in 3 windows of 10 rounds (1.4 windows of evidence): not settled, no cap.
+    p = _batch_capped(batch_cap=True, small_windows=3)
+    assert p.decide(B4, explore=False).k == 2 and p.decide(B16, explore=False).k == 4
+    q = _batch_capped(batch_cap=True)
+    assert q.decide(B4, explore=False).k == 2
+    q._cells[B4.cell].hold = 2  # just switched: its new k is not yet held as settled
+    assert q.decide(B16, explore=False).k == 4
+    q._cells[B4.cell].hold = 0
+    assert q.decide(B16, explore=False).k == 2  # and an incumbent above the cap comes down to it at once
+
+
+def test_the_batch_cap_leaves_other_context_buckets_and_versions_alone() -> None:
+    p = _batch_capped(batch_cap=True)
+    assert p.decide(B4, explore=False).k == 2
+    for other in (replace(B16, context_bucket="<=2048"), replace(B16, target_version="t2")):
+        assert p._cap(other) == p.k_max
+    assert p._cap(B16) == 2 and p._cap(B4) == p.k_max
