@@ -207,10 +207,10 @@ class GoodputPolicy(Policy):
             tokens while a draft step's cost hardly grows with the batch, so for the same traffic a larger batch
             is never served better at a deeper k: the rule the exported schedules follow
             (:func:`controller.offline.project.non_increasing`). Only a smaller cell's incumbent caps (not what it
-            serves while exploring), and only once that k is measured there in ``CAP_WINDOWS`` windows and the
-            cell is not holding after a switch: one noisy window of a small batch cannot pull every larger one
-            down. The cap lowers an incumbent above it at once, masks the mean's and the draws' choices, and bounds
-            the probes.
+            serves while exploring), and only once that k is settled there: measured in ``CAP_WINDOWS`` windows,
+            the next deeper k measured too, not holding after a switch (:meth:`_cap`). One noisy window or a
+            guess of a small batch cannot pull every larger one down. The cap lowers an incumbent above it at once,
+            masks the mean's and the draws' choices, and bounds the probes.
     """
 
     name = "goodput"
@@ -306,17 +306,26 @@ class GoodputPolicy(Policy):
 
     # ----------------------------------------------------------------------------------------- deciding
     def _cap(self, bucket: Bucket) -> int:
-        """The deepest k the bucket's cell may serve (``batch_cap``): the smallest settled incumbent of the smaller
-        batch buckets of its versions and context bucket, each its deepest type's k; ``k_max`` when none is."""
+        """The deepest k the bucket's cell may serve (``batch_cap``); ``k_max`` when no smaller cell caps it.
+
+        The smaller batch buckets of its versions and context bucket are walked from the smallest up. One caps
+        the larger ones at its incumbent (its deepest type's k) when that k is its own settled choice: not holding
+        after a switch, measured there in ``CAP_WINDOWS`` windows, the next deeper k measured there too (in the
+        cost model's ``prior_windows``: the cell could have gone deeper and kept its k), and below the cap of the
+        cells under it (one at its own cap adds nothing: what caps it caps the larger ones too, and a k forced
+        down by a cap is not evidence). So neither a guess nor a cap's own consequence cascades up the batches.
+        """
         cap = self.k_max
         if not self.batch_cap:
             return cap
         here = (bucket.target_version, bucket.draft_version, bucket.context_bucket)
-        for (t, d, bb, ctx), cell in self._cells.items():
-            if (t, d, ctx) != here or bb >= bucket.batch_bucket or not cell.incumbent or cell.hold > 0:
-                continue
+        smaller = sorted((bb, cell) for (t, d, bb, ctx), cell in self._cells.items()
+                         if (t, d, ctx) == here and bb < bucket.batch_bucket and cell.incumbent)
+        for bb, cell in smaller:
             k = max(cell.incumbent.values())
-            if k < cap and self._cost.windows(bb, ctx).get(k, 0.0) >= CAP_WINDOWS:
+            n = self._cost.windows(bb, bucket.context_bucket)
+            if (k < cap and cell.hold <= 0 and n.get(k, 0.0) >= CAP_WINDOWS
+                    and n.get(k + 1, 0.0) >= self._cost.prior_windows):
                 cap = k
         return cap
 

@@ -635,14 +635,14 @@ def _deep_window(bb: int, k: int) -> CostWindow:
     return replace(c, emitted=round(c.batch_rows * DEEP_EMIT[k]))
 
 
-def _batch_capped(batch_cap: bool, small_windows: int = 10) -> GoodputPolicy:
-    """Batch 4 measured at every k in ``small_windows`` windows (10 rounds: about 0.45 windows of evidence each),
-    batch 16 at 0, 2 and 4 in 10."""
+def _batch_capped(batch_cap: bool, small_windows: int = 10, small_ks: int = 5) -> GoodputPolicy:
+    """Batch 4 measured at k < ``small_ks`` in ``small_windows`` windows (10 rounds: about 0.45 windows of evidence
+    each), batch 16 at 0, 2 and 4 in 10."""
     p = GoodputPolicy(k_max=4, seed=0, one_k_per_batch=True, batch_cap=batch_cap, hold_decisions=0)
     for _ in range(20):
         p.observe(_acc("code", 4, (5, 5, 10, 10, 70)))
     for i in range(10):
-        for k in range(5):
+        for k in range(small_ks):
             if i < small_windows:
                 p.observe(_deep_window(4, k))
         for k in (0, 2, 4):
@@ -665,10 +665,14 @@ def test_a_larger_batch_never_drafts_deeper_than_a_settled_smaller_one() -> None
     assert max(served4) > 2  # batch 4 explored deeper meanwhile, and that did not lift the cap
 
 
-def test_a_smaller_batch_caps_only_once_its_k_is_measured_and_not_holding() -> None:
+def test_a_smaller_batch_caps_only_once_its_k_is_measured_against_a_deeper_one_and_not_holding() -> None:
     # Batch 4's k = 2 measured in 3 windows of 10 rounds (1.4 windows of evidence): not settled, no cap.
     p = _batch_capped(batch_cap=True, small_windows=3)
     assert p.decide(B4, explore=False).k == 2 and p.decide(B16, explore=False).k == 4
+    # Batch 4 never measured k = 3: its k = 2 is not a choice against deeper ks, so it caps nothing.
+    r = _batch_capped(batch_cap=True, small_ks=3)
+    r.decide(B4)  # a first decision adopts the best k the cell has run
+    assert r.decide(B4, explore=False).k == 2 and r.decide(B16, explore=False).k == 4
     q = _batch_capped(batch_cap=True)
     assert q.decide(B4, explore=False).k == 2
     q._cells[B4.cell].hold = 2  # just switched: its new k is not yet held as settled
