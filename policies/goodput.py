@@ -413,9 +413,7 @@ class GoodputPolicy(Policy):
     def _serve(cell: _Cell, est: _Estimate, d: _CellDecision, cap: int) -> None:
         """Serve a rule's answer; no type deeper than the cap (a probe's or a first guess's k is not masked)."""
         cell.served = dict(zip(est.types, (min(k, cap) for k in d.ks), strict=True))
-        for t in est.types:  # a first decision's ks were adopted before the clamp
-            if cell.incumbent.get(t, 0) > cap:
-                cell.incumbent[t] = cap
+        GoodputPolicy._lower(cell, cap)  # a first decision's ks were adopted before the clamp
         cell.kind, cell.reason = d.kind, d.reason
 
     @staticmethod
