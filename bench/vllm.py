@@ -126,7 +126,7 @@ def overall(phases: Sequence[dict[str, Any]]) -> float:
 
 
 def median_runs(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per phase, the median over repeats of tok/s and TPOT p50 / p99 (runs: [repeat][phase])."""
+    """Per phase, the median over repeats of tok/s, TPOT and TTFT p50 / p99 (runs: [repeat][phase])."""
     out = []
     for i, first in enumerate(runs[0]):
         col = [r[i] for r in runs]
@@ -139,6 +139,7 @@ def median_runs(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]
         pooled = [t for c in col for t in c.get("tpots", ())]  # results written before tpots were kept have none
         out.append({"name": first["name"], "concurrency": first["concurrency"], "tok_s": med("tok_s"),
                     "tpot_p50": med("tpot_p50"), "tpot_p99": med("tpot_p99"),
+                    "ttft_p50": med("ttft_p50"), "ttft_p99": med("ttft_p99"),  # absent in older results
                     # a phase's p99 over its 7-70 requests is nearly their slowest one: the same request pooled over
                     # every repeat, and how far the per-repeat p99 moves, say how much of a p99 ratio is noise
                     "tpot_p99_pooled": float(np.percentile(pooled, 99)) if pooled else None,
@@ -373,7 +374,8 @@ def run_one_phase(server: Server, models: ServedModels, cfg: BenchConfig, pool: 
     d["sidecar_cpu_share"] = _share(cpu0[0], cpu1[0], wall)
     d["redis_cpu_share"] = _share(cpu0[1], cpu1[1], wall)
     say(f"    {server.name} {ph.name}: {r.tok_s:7.1f} tok/s, TPOT p50 "
-        f"{(r.tpot_p50 or 0) * 1e3:6.1f} ms, p99 {(r.tpot_p99 or 0) * 1e3:6.1f} ms"
+        f"{(r.tpot_p50 or 0) * 1e3:6.1f} ms, p99 {(r.tpot_p99 or 0) * 1e3:6.1f} ms, TTFT p50 "
+        f"{(r.ttft_p50 or 0) * 1e3:6.1f} ms"
         + (f", {r.errors} errors" if r.errors else "")
         + (f", sidecar {100 * d['sidecar_cpu_share']:.1f}% of a core" if d["sidecar_cpu_share"] is not None
            else ""))

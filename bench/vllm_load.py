@@ -12,6 +12,9 @@ Figures per phase (as vLLM's own ``benchmark_serving`` defines them):
 - **tok/s**: output tokens that arrived inside the phase's window, over the window;
 - **TPOT** of a request: ``(end - first token) / (output tokens - 1)``, over the requests that started inside
   the window and produced at least two tokens; p50 and p99 across them.
+- **TTFT** of a request: ``first token - sent``, over the requests that produced a token; p50 and p99. A load
+  whose tok/s and TPOT disagree (more tokens a second at a slower TPOT) spends the difference before the first
+  token: prompt work and queueing, which a draft model adds to whatever k is.
 
 Prompts travel as token ids (``[BOS] + bytes``): byte-level prompts cut at any byte need not be UTF-8.
 """
@@ -72,6 +75,7 @@ class PhaseResult:
     completed: int  # ... of which completed
     errors: int
     tpots: tuple[float, ...]  # each finished request's TPOT (s): percentiles pooled over repeats need them
+    ttfts: tuple[float, ...] = ()  # each request's time to its first token (s)
 
     @property
     def tok_s(self) -> float:
@@ -85,10 +89,19 @@ class PhaseResult:
     def tpot_p99(self) -> float | None:
         return float(np.percentile(self.tpots, 99)) if self.tpots else None
 
+    @property
+    def ttft_p50(self) -> float | None:
+        return float(np.percentile(self.ttfts, 50)) if self.ttfts else None
+
+    @property
+    def ttft_p99(self) -> float | None:
+        return float(np.percentile(self.ttfts, 99)) if self.ttfts else None
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "concurrency": self.concurrency, "seconds": self.seconds, "tokens": self.tokens,
                 "tok_s": self.tok_s, "requests": self.requests, "completed": self.completed, "errors": self.errors,
-                "tpot_p50": self.tpot_p50, "tpot_p99": self.tpot_p99, "tpots": list(self.tpots)}
+                "tpot_p50": self.tpot_p50, "tpot_p99": self.tpot_p99, "tpots": list(self.tpots),
+                "ttft_p50": self.ttft_p50, "ttft_p99": self.ttft_p99}
 
 
 def _stream_completion(url: str, model: str, req: Any, rec: _Request) -> None:
@@ -175,4 +188,5 @@ def summarise(phase: LoadPhase, records: list[_Request], t0: float, t_end: float
         completed=sum(1 for r in records if r.end is not None and r.error is None),
         errors=sum(1 for r in records if r.error is not None),
         tpots=tuple(tpots),
+        ttfts=tuple(r.first - r.started for r in records if r.error is None and r.first is not None),
     )

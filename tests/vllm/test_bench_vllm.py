@@ -31,6 +31,20 @@ def test_a_phase_counts_tokens_inside_its_window_and_tpot_of_finished_requests()
     assert r.tok_s == pytest.approx(1.1)
     assert r.tpot_p50 == pytest.approx((0.5 + 10.5 / 8) / 2)  # TPOT = (end - first) / (tokens - 1)
     assert r.to_dict()["tpots"] == pytest.approx([0.5, 10.5 / 8])  # kept, for percentiles pooled over repeats
+    assert r.ttft_p50 == pytest.approx(0.5)  # first token - sent: 0.5 for a and b; c failed and has none
+    assert r.to_dict()["ttft_p99"] == pytest.approx(0.5)
+
+
+def test_ttft_is_the_wait_for_the_first_token_and_its_median_over_repeats() -> None:
+    slow = _Request(started=0.0, first=2.0, end=3.0, tokens=3, arrivals=[(2.0, 1), (3.0, 3)])
+    fast = _Request(started=1.0, first=1.1, end=2.1, tokens=3, arrivals=[(1.1, 1), (2.1, 3)])
+    r = summarise(LoadPhase("p", 2, 10.0), [slow, fast], 0.0, 10.0)
+    assert r.ttfts == pytest.approx((2.0, 0.1))
+    assert r.tpot_p50 == pytest.approx(0.5)  # the same TPOT for both: the wait is all before the first token
+    runs = [[{**ph(10, 0.1), "ttft_p50": t, "ttft_p99": 2 * t}] for t in (0.3, 0.1, 0.2)]
+    m = median_runs(runs)[0]
+    assert (m["ttft_p50"], m["ttft_p99"]) == (0.2, 0.4)
+    assert median_runs([[ph(10, 0.1)]])[0]["ttft_p50"] is None  # results from before TTFT was kept
 
 
 def test_pooled_p99_and_the_repeat_spread_of_each_phase() -> None:
