@@ -16,8 +16,8 @@ phase, then phase i + 1), and medians are reported. Phase i draws the same reque
 
 The load steps its concurrency (1, 4, 16, 32 and back by default) over mixed code, prose and structured
 requests, a tenth of them with a long (~1.4k-token) prompt. Figures per phase and overall: tok/s, TPOT p50 and
-p99. The **ceiling** is measured in the same run: each phase's best static k over the best single static k, and
-over static k=3; no policy that picks one k per phase can beat it.
+p99, and TTFT p50 and p99 per phase. The **ceiling** is measured in the same run: each phase's best static k over
+the best single static k, and over static k=3; no policy that picks one k per phase can beat it.
 
 Servers are started once and stay up (an idle vLLM costs about 1% of a core), so phases interleave without
 restarts; ``--restart`` starts each configuration's server for its runs only (less memory, more time), and then
