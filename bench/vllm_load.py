@@ -63,6 +63,11 @@ class _Request:
     error: str | None = None
 
 
+def _percentile(values: tuple[float, ...], q: float) -> float | None:
+    """The q-th percentile of a phase's per-request figures; None when no request gave one."""
+    return float(np.percentile(values, q)) if values else None
+
+
 @dataclass(frozen=True)
 class PhaseResult:
     """What one phase measured."""
@@ -83,19 +88,19 @@ class PhaseResult:
 
     @property
     def tpot_p50(self) -> float | None:
-        return float(np.percentile(self.tpots, 50)) if self.tpots else None
+        return _percentile(self.tpots, 50)
 
     @property
     def tpot_p99(self) -> float | None:
-        return float(np.percentile(self.tpots, 99)) if self.tpots else None
+        return _percentile(self.tpots, 99)
 
     @property
     def ttft_p50(self) -> float | None:
-        return float(np.percentile(self.ttfts, 50)) if self.ttfts else None
+        return _percentile(self.ttfts, 50)
 
     @property
     def ttft_p99(self) -> float | None:
-        return float(np.percentile(self.ttfts, 99)) if self.ttfts else None
+        return _percentile(self.ttfts, 99)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "concurrency": self.concurrency, "seconds": self.seconds, "tokens": self.tokens,

@@ -206,11 +206,9 @@ class GoodputPolicy(Policy):
             versions and context bucket (:meth:`_cap`). With one k per batch a round verifies ``batch x (k + 1)``
             tokens while a draft step's cost hardly grows with the batch, so for the same traffic a larger batch
             is never served better at a deeper k: the rule the exported schedules follow
-            (:func:`controller.offline.project.non_increasing`). Only a smaller cell's incumbent caps (not what it
-            serves while exploring), and only once that k is settled there: measured in ``CAP_WINDOWS`` windows,
-            the next deeper k measured too, not holding after a switch (:meth:`_cap`). One noisy window or a
-            guess of a small batch cannot pull every larger one down. The cap lowers an incumbent above it at once,
-            masks the mean's and the draws' choices, and bounds the probes.
+            (:func:`controller.offline.project.non_increasing`). Only a settled choice caps (:meth:`_cap` says
+            when). The cap lowers an incumbent above it at once, masks the mean's and the draws' choices, and
+            bounds the probes.
     """
 
     name = "goodput"

@@ -139,7 +139,6 @@ def build_sidecar(settings: SidecarSettings, *, transport: Transport | None = No
     """
     if (transport is None or publisher is None) and settings.redis_url is None:
         raise ValueError("build_sidecar needs a transport and a publisher, or SidecarSettings.redis_url")
-    # One k per batch: a larger batch never drafts deeper than a settled smaller one (GoodputPolicy's batch_cap).
     policy_kw: dict[str, Any] = {"one_k_per_batch": True, "batch_cap": True} if settings.one_k_per_batch else {}
     policy = REGISTRY[settings.policy](k_max=settings.k_max, seed=settings.seed, **policy_kw)
     with ExitStack() as owned:
