@@ -191,7 +191,10 @@ class GoodputPolicy(Policy):
             six over three runs (a row that accepts little pays for five drafts it does not keep). Per type, prose
             took k = 3 and code and structured k = 5, and a batch-1 load went from 0.916x to 1.006x static k = 5
             (``bench/results/vllm-c1-*.json``, one run each). Each type there is scored on its own rounds
-            (:func:`~policies.analytic.solo_goodput`, for every engine).
+            (:func:`~policies.analytic.solo_goodput`, for every engine). A type new to a cell decided without
+            exploration (the sidecar's quiet cells) joins the cell's k (the lower median of its incumbents, the
+            engine's batch rule): on ``bench vllm`` at 5e61327 types that reached a cell at different times held
+            code 1, prose 3 and structured 1 in batch 16 at <=2048, and the cap of batch 32 took prose's 3.
         noise_z: standard errors of the measured difference in cost between the incumbent's k and the new best
             that a switch must clear on top of its margin (see :meth:`_margin`); 0 switches on the margins alone.
         explore_doublings: exploration that stops. Each Thompson exploration of a measured k that leaves the
@@ -386,7 +389,13 @@ class GoodputPolicy(Policy):
                 expected = {k: float(v) for k, v in enumerate(g_shared) if np.isfinite(v)}
                 best = dict(zip(types, (int(k) for k in combos[int(np.argmax(g_mean))]), strict=True))
                 self._best[key] = (self._n_windows, cap, best, expected)
-            cell.incumbent.update({t: k for t, k in best.items() if t not in cell.incumbent})
+            new = {t: k for t, k in best.items() if t not in cell.incumbent}
+            if new and cell.incumbent and self.one_k_per_batch and b.batch_bucket != 1:
+                # One k per step: a type new to the cell joins the k its batches run, not the mean's best of the
+                # moment beside the others' incumbents (see one_k_per_batch).
+                held = sorted(cell.incumbent.values())
+                new = dict.fromkeys(new, held[(len(held) - 1) // 2])
+            cell.incumbent.update(new)
             self._lower(cell, cap)
             ks = cell.incumbent
             return Decision(k=int(ks[b.request_type]), expected_goodput=dict(expected),

@@ -687,3 +687,31 @@ def test_the_batch_cap_leaves_other_context_buckets_and_versions_alone() -> None
     for other in (replace(B16, context_bucket="<=2048"), replace(B16, target_version="t2")):
         assert p._cap(other) == p.k_max
     assert p._cap(B16) == 2 and p._cap(B4) == p.k_max
+
+
+def test_one_k_per_batch_a_type_new_to_a_quiet_cell_joins_the_cells_k() -> None:
+    """``bench vllm`` at 5e61327: types that reached a cell at different times held different ks in it (batch 16 at
+    <=2048: code 1, prose 3, structured 1), though vLLM runs one k per step and the batch cap reads the deepest."""
+    p = GoodputPolicy(k_max=4, seed=0, one_k_per_batch=True)
+    for k in (0, 2, 4):
+        p.observe(_cost(8, k, 0.01 * 3 * (1 + 0.15 * k)))
+
+    def bucket(t: str) -> Bucket:
+        return Bucket("t1", "d1", t, 8, "<=512")
+
+    for _ in range(20):
+        p.observe(_acc("structured", 4, (0, 0, 0, 0, 100)))  # accepts every draft
+    deep = p.decide(bucket("structured"), explore=False).k
+    for _ in range(40):
+        p.observe(_acc("prose", 4, (100, 0, 0, 0, 0)))  # accepts none, and now most of the cell's rows
+    q = GoodputPolicy(k_max=4, seed=0, one_k_per_batch=True)
+    q.restore(p.snapshot())
+    assert deep > 0
+    # the mean's best of the moment is shallower: a first decision in a fresh cell takes it
+    assert q.decide(Bucket("t1", "d1", "prose", 16, "<=512"), explore=False).k < deep
+    # in the cell the structured rows already run, prose joins their k (a switch, if any, moves both), though the
+    # mean's best shared k there is now shallower too
+    d = p.decide(bucket("prose"), explore=False)
+    assert d.k == deep
+    assert max(d.expected_goodput, key=lambda k: d.expected_goodput[k]) < deep
+    assert p.decide(bucket("structured"), explore=False).k == deep
