@@ -23,9 +23,11 @@ Servers are started once and stay up (an idle vLLM costs about 1% of a core), so
 restarts; ``--restart`` starts each configuration's server for its runs only (less memory, more time), and then
 each configuration runs its whole load in its turn.
 
-Opt-in configurations (``--configs``): ``k0_draft`` (the draft loaded, k = 0: the floor of a server that can
-speculate) and ``k3_steered`` (spectune's whole path held at k = 3: what the path costs, apart from the policy).
-During every phase the bench also measures the CPU the sidecar and Redis take (share of one core).
+Opt-in configurations (``--configs``): ``k0_draft`` (the draft loaded, k = 0, vLLM's own draft sync: the floor
+of a stock vLLM server that can speculate), ``k0_lazy`` (the same with spectune's lazy draft sync, as ``spectune``
+and ``tuned`` run: the floor of spectune's servers) and ``k3_steered`` (spectune's whole path held at k = 3: what
+the path costs, apart from the policy). During every phase the bench also measures the CPU the sidecar and Redis
+take (share of one core).
 """
 
 from __future__ import annotations
@@ -69,12 +71,16 @@ CONFIGS = (*STATIC, "tuned", "spectune")
 # over every scheduled token even at k = 0, to keep the draft's KV cache in step, so this is the fastest any
 # server that can speculate runs where speculation does not pay: spectune's floor, against k0's no-draft server.
 K0_DRAFT = "k0_draft"
+# Opt-in (--configs): k0_draft with spectune's lazy draft sync (controller/engines/vllm/draft_sync.py), which
+# `spectune vllm serve` uses by default and so do the spectune and tuned servers here: at k = 0 the draft does not
+# run. Against k0 it prices what stays of a loaded draft; against k0_draft what lazy sync saves.
+K0_LAZY = "k0_lazy"
 # Opt-in (--configs): spectune's whole path held at k = 3: its scheduler with k_max = 5 and a fixed k = 3, windows
 # streamed to the live sidecar (as a second engine of the fleet). Against vLLM's own static k = 3 it prices the path
 # itself (vLLM's per-step k under a k_max of 5, telemetry, the sidecar's work beside the engine), apart from the
 # policy's choices.
 K3_STEERED = "k3_steered"
-ALL_CONFIGS = (*STATIC, K0_DRAFT, K3_STEERED, "tuned", "spectune")
+ALL_CONFIGS = (*STATIC, K0_DRAFT, K0_LAZY, K3_STEERED, "tuned", "spectune")
 STATIC_K = {"k0": 0, "k3": 3, "k5": 5}
 K_MAX = 5  # spectune's choices: 0..5, every static k measured here among them
 READY_S = 600.0
@@ -210,6 +216,13 @@ def verdict(per_config: dict[str, dict[str, Any]]) -> dict[str, Any]:
             out["spectune_over_k0_draft_by_phase"] = over("spectune", K0_DRAFT)
         spec_servers = [c for c in (K0_DRAFT, *STATIC) if c in per_config and c != "k0"]
         out["ceiling_with_the_draft_loaded_over_best_static"] = best_per_phase(spec_servers) / overall_of[best_single]
+    if K0_LAZY in per_config and "k0" in per_config:
+        # The same floor under lazy draft sync, the one spectune's servers run with
+        out["k0_lazy_over_k0_by_phase"] = over(K0_LAZY, "k0")
+        if K0_DRAFT in per_config:
+            out["k0_lazy_over_k0_draft_by_phase"] = over(K0_LAZY, K0_DRAFT)
+        spec_servers = [c for c in (K0_LAZY, *STATIC) if c in per_config and c != "k0"]
+        out["ceiling_with_lazy_sync_over_best_static"] = best_per_phase(spec_servers) / overall_of[best_single]
     out["best_static_tpot_p99_repeat_spread_by_phase"] = [
         per_config[best_static_phase[i]]["phases"][i].get("tpot_p99_repeat_spread") for i in range(n)]
     s = out.get("spectune")
@@ -287,13 +300,15 @@ def server_configs(cfg: BenchConfig, prefix: str, schedule: tuple[tuple[int, int
         port = cfg.port_base + i
         if name == "k0":
             out[name] = replace(base, port=port, speculate=False)
-        elif name == K0_DRAFT:
-            out[name] = replace(base, port=port, k_max=K_MAX, fixed_k=0)
+        elif name == K0_DRAFT:  # stock vLLM's floor: its own eager draft sync
+            out[name] = replace(base, port=port, k_max=K_MAX, fixed_k=0, draft_sync="eager")
+        elif name == K0_LAZY:
+            out[name] = replace(base, port=port, k_max=K_MAX, fixed_k=0, draft_sync="lazy")
         elif name == K3_STEERED:
             out[name] = replace(base, port=port, k_max=K_MAX, fixed_k=3, redis_url=cfg.redis_url, prefix=prefix,
                                 engine_id="bench-vllm-k3-steered")
-        elif name in STATIC_K:
-            out[name] = replace(base, port=port, steer=False, k_max=STATIC_K[name])
+        elif name in STATIC_K:  # vLLM as it is (k never 0, so the sync mode would not matter)
+            out[name] = replace(base, port=port, steer=False, k_max=STATIC_K[name], draft_sync="eager")
         elif name == "tuned":
             out[name] = replace(base, port=port, steer=False, k_max=max(1, max(k for *_, k in schedule or [(
                 0, 0, K_MAX)])), native_schedule=schedule)
@@ -616,7 +631,8 @@ def table(doc: dict[str, Any]) -> None:
             f"{c} {[round(x, 3) if x is not None else None for x in xs]}" for c, xs in shares.items()))
     v = doc["verdict"]
     print(f"ceiling: per-phase best static over best single static ({v['best_single_static']}) "
-          f"{v['ceiling_over_best_static']:.3f}x, over k3 {v['ceiling_over_k3']:.3f}x")
+          f"{v['ceiling_over_best_static']:.3f}x, over k3 "
+          + (f"{v['ceiling_over_k3']:.3f}x" if v['ceiling_over_k3'] is not None else "(k3 not run)"))
     for name in ("spectune", "tuned"):
         if name in v:
             r = v[name]
@@ -635,6 +651,9 @@ def table(doc: dict[str, Any]) -> None:
               f"ceiling with the draft loaded {v['ceiling_with_the_draft_loaded_over_best_static']:.3f}x best static")
         if "spectune_over_k0_draft_by_phase" in v:
             print(f"spectune over k0_draft by phase {[round(x, 3) for x in v['spectune_over_k0_draft_by_phase']]}")
+    if "k0_lazy_over_k0_by_phase" in v:
+        print(f"k0_lazy (draft loaded, k=0, lazy sync) over k0 by phase {_rounded(v['k0_lazy_over_k0_by_phase'])}; "
+              f"ceiling with lazy sync {v['ceiling_with_lazy_sync_over_best_static']:.3f}x best static")
     for k, ok in (v.get("targets") or {}).items():
         print(f"  {'met ' if ok else 'MISS'} {k}")
     if doc.get("spectune_scheduler"):

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from controller.engines.vllm.draft_sync import MODES as DRAFT_SYNC_MODES
 from controller.engines.vllm.serve import (
     DEFAULT_K_MAX,
     DEFAULT_KV_CACHE_GIB,
@@ -51,6 +52,9 @@ def build_parser(redis_default: str) -> argparse.ArgumentParser:
                         "(no steering, no telemetry); checked by vLLM's rules first")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--draft-sync", choices=DRAFT_SYNC_MODES, default="lazy",
+                   help="lazy: at k = 0 the draft does not run, its KV cache catches up when drafting resumes "
+                        "(default); eager: vLLM's own, the draft runs over every token even at k = 0")
     p.add_argument("--kv-cache-gib", type=int, default=DEFAULT_KV_CACHE_GIB, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--status-file", type=Path, default=None, help="the scheduler appends JSON status lines here")
     p.add_argument("--vllm-python", type=Path, default=None,
@@ -69,7 +73,7 @@ def config_from_argv(argv: Sequence[str], redis_default: str, vllm_python: str |
     spec = None if args.speculative_config is None else read_speculative_config(args.speculative_config)
     common: dict[str, Any] = dict(
         profile=args.profile, models_dir=args.models_dir, prefix=args.prefix, engine_id=args.engine_id,
-        host=args.host, port=args.port, kv_cache_gib=args.kv_cache_gib, vllm_python=py,
+        host=args.host, port=args.port, kv_cache_gib=args.kv_cache_gib, draft_sync=args.draft_sync, vllm_python=py,
         status_path=args.status_file, extra_args=parse_extra(extra))
     if spec is None:
         return VllmServeConfig(

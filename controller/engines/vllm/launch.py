@@ -6,7 +6,8 @@ own version up (``PackageNotFoundError: vllm``). Here the lookup of ``vllm`` ans
 the form vLLM's platform detection expects (a bare version fails with "Failed to infer device type"). The repair
 sits at module level because vLLM spawns its engine and worker processes, which re-import this module; the call
 sits under ``__main__`` for the same reason. The same holds for the repair of vLLM's CPU rejection sampler
-(:mod:`controller.engines.vllm.cpu_repair`), installed here before vLLM registers its CPU kernels.
+(:mod:`controller.engines.vllm.cpu_repair`), installed here before vLLM registers its CPU kernels, and for the
+draft's lazy KV sync (:mod:`controller.engines.vllm.draft_sync`, when ``SPECTUNE_DRAFT_SYNC=lazy``).
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ _metadata.version = _vllm_version
 _metadata.metadata = _vllm_metadata  # type: ignore[assignment]
 
 if __name__ in ("__main__", "__mp_main__"):  # vLLM's processes; importing this module elsewhere changes nothing
-    from controller.engines.vllm import cpu_repair
+    from controller.engines.vllm import cpu_repair, draft_sync
 
     cpu_repair.apply()
+    draft_sync.apply()  # when SPECTUNE_DRAFT_SYNC=lazy
 
 
 def main(argv: list[str]) -> int:

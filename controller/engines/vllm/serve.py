@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controller.engines.vllm.draft_sync import MODE_ENV as DRAFT_SYNC_ENV
+from controller.engines.vllm.draft_sync import MODES as DRAFT_SYNC_MODES
 from controller.engines.vllm.steps import ADDITIONAL_CONFIG_KEY, VllmSpectuneConfig
 from engine.profiles import DEFAULT_PROFILE, get_profile
 from telemetry.errors import SpectuneError
@@ -69,6 +71,9 @@ class VllmServeConfig:
     # follows its table (no steering); a draft_model config without a model gets the profile's draft
     speculative_config: Mapping[str, Any] | None = None
     kv_cache_gib: int = DEFAULT_KV_CACHE_GIB
+    # the draft's KV sync at k = 0 (controller/engines/vllm/draft_sync.py): "lazy" runs no draft while k = 0 and
+    # catches the draft's cache up when drafting resumes; "eager" is vLLM's own (the draft runs every step)
+    draft_sync: str = "lazy"
     vllm_python: Path = DEFAULT_VLLM_VENV / "bin" / "python"
     status_path: Path | None = None  # the scheduler appends JSON status lines here
     status_every_s: float = 5.0
@@ -81,6 +86,8 @@ class VllmServeConfig:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
         if self.kv_cache_gib < 1:
             raise ValueError("--kv-cache-gib must be >= 1")
+        if self.draft_sync not in DRAFT_SYNC_MODES:
+            raise ValueError(f"--draft-sync must be one of {', '.join(DRAFT_SYNC_MODES)}, got {self.draft_sync!r}")
         self.spectune_config()  # validates k_max, default_k, fixed_k, engine_id, prefix
         if self.speculative_config is not None and (self.steer or not self.speculate):
             raise ValueError("an exported --speculative-config is vLLM's own schedule: it takes steer=False and "
@@ -128,9 +135,11 @@ def ensure_models(profile: str, models_dir: Path, say: Any = print) -> ServedMod
 
 
 def vllm_environment(cfg: VllmServeConfig, base: Mapping[str, str]) -> dict[str, str]:
-    """The environment vLLM runs in: a small CPU KV cache, Intel OpenMP preloaded when the venv has it."""
+    """The environment vLLM runs in: a small CPU KV cache, Intel OpenMP preloaded when the venv has it, the draft's
+    KV sync mode."""
     env = dict(base)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+    env[DRAFT_SYNC_ENV] = cfg.draft_sync
     env.setdefault("PYTHONUNBUFFERED", "1")
     iomp = cfg.vllm_python.parent.parent / "lib" / "libiomp5.so"  # the intel-openmp wheel puts it in venv/lib
     if iomp.exists() and str(iomp) not in env.get("LD_PRELOAD", ""):
