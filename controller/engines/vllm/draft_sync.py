@@ -17,6 +17,9 @@ never costs the draft anything. The draft's cache is then what eager sync leaves
 draft, since every draft token is verified. And the engine process, after a k = 0 step, does not fetch the (empty)
 drafts from the worker: one inter-process round trip less per step.
 
+Under async scheduling (CUDA's default, not spectune's scheduler, which needs ``--no-async-scheduling``) a step's
+computed-token counts are optimistic when the drafter runs, so there the proposer keeps vLLM's own sync.
+
 Prefix caching: a request that joins with cached blocks may find them written by a request whose draft pass was
 skipped, so after the first skip a request first seen past position 0 catches up from position 0.
 
@@ -192,7 +195,9 @@ def apply(mode: str | None = None) -> bool:
 
     def propose_draft_token_ids(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, DraftModelProposer):
+        # Under async scheduling (CUDA's default) a step's computed-token counts are optimistic until corrected, so
+        # the positions this bookkeeping needs are not known here: vLLM's own sync runs there.
+        if isinstance(drafter, DraftModelProposer) and not getattr(self, "use_async_scheduling", False):
             drafter._spectune_batch = (self.input_batch, self.requests, scheduler_output.num_scheduled_tokens)
         try:
             return runner_propose(self, scheduler_output, *args, **kwargs)
