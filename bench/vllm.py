@@ -208,21 +208,19 @@ def verdict(per_config: dict[str, dict[str, Any]]) -> dict[str, Any]:
         # What spectune's path costs at the same k as vLLM's own static k = 3 (no policy in it)
         out["k3_steered_over_k3"] = overall_of[K3_STEERED] / overall_of["k3"]
         out["k3_steered_over_k3_by_phase"] = over(K3_STEERED, "k3")
-    if K0_DRAFT in per_config and "k0" in per_config:
-        # What a server that can speculate pays where it does not: the floor under spectune, phase by phase, and
-        # the ceiling such a server can reach (per phase the best of k0_draft and the static k > 0).
-        out["k0_draft_over_k0_by_phase"] = over(K0_DRAFT, "k0")
-        if "spectune" in per_config:
-            out["spectune_over_k0_draft_by_phase"] = over("spectune", K0_DRAFT)
-        spec_servers = [c for c in (K0_DRAFT, *STATIC) if c in per_config and c != "k0"]
-        out["ceiling_with_the_draft_loaded_over_best_static"] = best_per_phase(spec_servers) / overall_of[best_single]
-    if K0_LAZY in per_config and "k0" in per_config:
-        # The same floor under lazy draft sync, the one spectune's servers run with
-        out["k0_lazy_over_k0_by_phase"] = over(K0_LAZY, "k0")
-        if K0_DRAFT in per_config:
-            out["k0_lazy_over_k0_draft_by_phase"] = over(K0_LAZY, K0_DRAFT)
-        spec_servers = [c for c in (K0_LAZY, *STATIC) if c in per_config and c != "k0"]
-        out["ceiling_with_lazy_sync_over_best_static"] = best_per_phase(spec_servers) / overall_of[best_single]
+    # What a server that can speculate pays where it does not (the draft loaded, k = 0; vLLM's own draft sync or
+    # spectune's lazy one), phase by phase, and the ceiling such a server can reach (per phase the best of that
+    # floor and the static k > 0).
+    for floor, ceiling_key in ((K0_DRAFT, "ceiling_with_the_draft_loaded_over_best_static"),
+                               (K0_LAZY, "ceiling_with_lazy_sync_over_best_static")):
+        if floor in per_config and "k0" in per_config:
+            out[f"{floor}_over_k0_by_phase"] = over(floor, "k0")
+            spec_servers = [c for c in (floor, *STATIC) if c in per_config and c != "k0"]
+            out[ceiling_key] = best_per_phase(spec_servers) / overall_of[best_single]
+    if "k0_draft_over_k0_by_phase" in out and "spectune" in per_config:
+        out["spectune_over_k0_draft_by_phase"] = over("spectune", K0_DRAFT)
+    if "k0_draft_over_k0_by_phase" in out and "k0_lazy_over_k0_by_phase" in out:
+        out["k0_lazy_over_k0_draft_by_phase"] = over(K0_LAZY, K0_DRAFT)
     out["best_static_tpot_p99_repeat_spread_by_phase"] = [
         per_config[best_static_phase[i]]["phases"][i].get("tpot_p99_repeat_spread") for i in range(n)]
     s = out.get("spectune")

@@ -136,10 +136,13 @@ def ensure_models(profile: str, models_dir: Path, say: Any = print) -> ServedMod
 
 def vllm_environment(cfg: VllmServeConfig, base: Mapping[str, str]) -> dict[str, str]:
     """The environment vLLM runs in: a small CPU KV cache, Intel OpenMP preloaded when the venv has it, the draft's
-    KV sync mode."""
+    KV sync mode when it speculates."""
     env = dict(base)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
-    env[DRAFT_SYNC_ENV] = cfg.draft_sync
+    if cfg.speculate:
+        env[DRAFT_SYNC_ENV] = cfg.draft_sync
+    else:  # a server without a draft has no draft to sync: nothing is installed in it
+        env.pop(DRAFT_SYNC_ENV, None)
     env.setdefault("PYTHONUNBUFFERED", "1")
     iomp = cfg.vllm_python.parent.parent / "lib" / "libiomp5.so"  # the intel-openmp wheel puts it in venv/lib
     if iomp.exists() and str(iomp) not in env.get("LD_PRELOAD", ""):
