@@ -1,8 +1,9 @@
 """Run in vLLM's environment: greedy requests under a fixed per-step k schedule, one sync mode; print JSON.
 
 ``python draft_sync_probe.py MODE TARGET_DIR DRAFT_DIR`` with MODE eager, lazy or nocatchup (lazy sync whose
-catch-up is switched off: what skipping the draft alone would do). Prints the generated token ids and the drafts
-verified and accepted per step, as the scheduler saw them.
+catch-up is switched off: what skipping the draft alone would do). Prints the generated token ids; per step, the k
+set and the drafts verified and accepted, as the scheduler saw them; and how many steps lazy sync skipped the draft
+in, and in how many of those it ran vLLM's plain path.
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ class PatternScheduler(Scheduler):  # type: ignore[misc]
 
     def update_from_output(self, so: Any, mro: Any) -> Any:
         spec = so.scheduled_spec_decode_tokens
-        if spec and mro.sampled_token_ids:
+        if so.num_scheduled_tokens and mro.sampled_token_ids:
             drafted = sum(len(v) for v in spec.values())
             accepted = sum(len(mro.sampled_token_ids[mro.req_id_to_index[r]]) - 1 for r in spec
-                           if r in mro.req_id_to_index)
+                           if r in mro.req_id_to_index and spec[r])
             PatternScheduler.steps.append((so.num_spec_tokens_to_schedule, drafted, accepted))
         return super().update_from_output(so, mro)
 
@@ -72,7 +73,9 @@ def main() -> None:
               scheduler_cls=PatternScheduler)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=160, ignore_eos=True))
     print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                                  "steps": PatternScheduler.steps}))
+                                  "steps": PatternScheduler.steps,
+                                  "plain_steps": sum(s.plain_steps for s in draft_sync.STATES),
+                                  "skipped_steps": sum(s.skipped_steps for s in draft_sync.STATES)}))
 
 
 if __name__ == "__main__":

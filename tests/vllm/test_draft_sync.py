@@ -102,6 +102,17 @@ def test_lazy_sync_drafts_and_accepts_exactly_what_vllms_own_sync_does(probe_run
     assert lazy["steps"] == eager["steps"]
 
 
+def test_lazy_sync_runs_vllms_plain_path_in_steps_with_nothing_to_verify_or_propose(
+        probe_runs: dict[str, dict[str, list]]) -> None:  # type: ignore[type-arg]
+    lazy, eager = probe_runs["lazy"], probe_runs["eager"]
+    plain = sum(1 for k, drafted, _ in lazy["steps"] if k == 0 and drafted == 0)
+    verify_only = sum(1 for k, drafted, _ in lazy["steps"] if k == 0 and drafted > 0)  # drafts verified, none made
+    assert plain > 0 and verify_only > 0
+    assert lazy["plain_steps"] == plain
+    assert lazy["skipped_steps"] == plain + verify_only  # the draft ran in no step with k = 0
+    assert eager["plain_steps"] == eager["skipped_steps"] == 0
+
+
 def test_skipping_the_draft_without_catching_up_loses_acceptance(probe_runs: dict[str, dict[str, list]]  # type: ignore[type-arg]
                                                                  ) -> None:
     def rate(run: dict[str, list]) -> float:  # type: ignore[type-arg]

@@ -17,6 +17,12 @@ never costs the draft anything. The draft's cache is then what eager sync leaves
 draft, since every draft token is verified. And the engine process, after a k = 0 step, does not fetch the (empty)
 drafts from the worker: one inter-process round trip less per step.
 
+A step that has no drafts to verify and makes none (k = 0 now and at the step before) runs as a runner without a
+speculative config would: vLLM otherwise takes its speculative path in every step of a draft-loaded server
+(spec-decode metadata, the rejection sampler over zero drafts, the drafter's input preparation, the copy of its empty
+output), about 0.5 ms a step on the 2-core VM. The test checks this path is taken in exactly those steps and that
+tokens and acceptance stay those of vLLM's own sync.
+
 Under async scheduling (CUDA's default, not spectune's scheduler, which needs ``--no-async-scheduling``) a step's
 computed-token counts are optimistic when the drafter runs, so there the proposer keeps vLLM's own sync.
 
@@ -54,6 +60,7 @@ class SyncState:
     seen: set[str] = field(default_factory=set)  # requests this proposer has met
     dirty: bool = False  # a step was skipped since start: cached prefix blocks may lack draft KV
     skipped_steps: int = 0
+    plain_steps: int = 0  # skipped steps that also ran vLLM's plain (non-speculative) path: nothing to verify
     skipped_tokens: int = 0  # target tokens whose draft pass was deferred
     caught_up_tokens: int = 0  # deferred tokens the draft later ran
 
@@ -85,6 +92,13 @@ class SyncState:
                 out.append((i, m, start))
                 self.caught_up_tokens += start - m
         return out
+
+
+def plain_step(scheduler_output: Any) -> bool:
+    """A step that verifies no drafts and proposes none: it can run vLLM's plain path."""
+    if getattr(scheduler_output, "num_spec_tokens_to_schedule", None) != 0:
+        return False
+    return not any(scheduler_output.scheduled_spec_decode_tokens.values())
 
 
 def pack(ranges: list[tuple[int, int, int]], budget: int) -> list[list[tuple[int, int, int]]]:
@@ -150,6 +164,36 @@ def _catch_up_forward(proposer: Any, cad: Any, token_ids: Any, segs: list[tuple[
         proposer.model(**model_kwargs)
 
 
+STATES: list[SyncState] = []  # every proposer's state in this process, for tests and probes
+
+
+def _state(proposer: Any) -> SyncState:
+    state = proposer.__dict__.get("_spectune_sync")
+    if state is None:
+        state = proposer.__dict__["_spectune_sync"] = SyncState()
+        STATES.append(state)
+    return state
+
+
+def _batch_rows(input_batch: Any, n: int, scheduled: dict[str, int]) -> list[tuple[str, int, int]]:
+    """(request, first position of its tokens this step, tokens this step) for the batch's first ``n`` rows."""
+    req_ids = input_batch.req_ids[:n]
+    starts = input_batch.num_computed_tokens_cpu[:n]
+    return [(r, int(starts[i]), int(scheduled.get(r, 0))) for i, r in enumerate(req_ids)]
+
+
+def _without_speculation(runner: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a model runner method as a runner without a speculative config would: vLLM branches on
+    ``speculative_config is not None`` (spec-decode metadata, the rejection sampler over zero drafts, the
+    drafter's input preparation and the copy of its empty output), so a step with nothing to verify or propose
+    takes the plain path."""
+    spec, runner.speculative_config = runner.speculative_config, None
+    try:
+        return method(runner, *args, **kwargs)
+    finally:
+        runner.speculative_config = spec
+
+
 def _skip_empty_draft_fetch() -> None:
     """In the engine process: after a step scheduled with k = 0, do not ask the worker for its drafts.
 
@@ -210,24 +254,48 @@ def apply(mode: str | None = None) -> bool:
         cad = kwargs.get("common_attn_metadata")
         if batch is None or cad is None:
             return proposer_propose(self, num_speculative_tokens, *args, **kwargs)
-        state: SyncState = self.__dict__.setdefault("_spectune_sync", SyncState())
+        state = _state(self)
         input_batch, live, scheduled = batch
-        n = cad.batch_size()
-        req_ids = input_batch.req_ids[:n]
-        starts = input_batch.num_computed_tokens_cpu[:n]
-        rows = [(r, int(starts[i]), int(scheduled.get(r, 0))) for i, r in enumerate(req_ids)]
+        rows = _batch_rows(input_batch, cad.batch_size(), scheduled)
         state.forget_finished(live)
         if num_speculative_tokens == 0:
             state.skip(rows)
             self.num_speculative_tokens = 0
             self._last_draft_probs = None
-            return torch.empty(n, 0, device=self.device, dtype=torch.int64)
+            return torch.empty(len(rows), 0, device=self.device, dtype=torch.int64)
         ranges = state.catch_up(rows)
         if ranges:
             for segs in pack(ranges, self.max_num_tokens):
                 _catch_up_forward(self, cad, input_batch.token_ids_cpu, segs)
         return proposer_propose(self, num_speculative_tokens, *args, **kwargs)
 
+    runner_execute = GPUModelRunner.execute_model
+    runner_sample = GPUModelRunner.sample_tokens
+
+    def lazy_here(self: Any) -> bool:
+        return isinstance(getattr(self, "drafter", None), DraftModelProposer) and not getattr(
+            self, "use_async_scheduling", False)
+
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        self._spectune_plain = lazy_here(self) and plain_step(scheduler_output)
+        if not self._spectune_plain:
+            return runner_execute(self, scheduler_output, *args, **kwargs)
+        return _without_speculation(self, runner_execute, scheduler_output, *args, **kwargs)
+
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        plain, self._spectune_plain = getattr(self, "_spectune_plain", False), False
+        if not plain or self.execute_model_state is None:
+            return runner_sample(self, *args, **kwargs)
+        # What the draft proposer would have recorded had it been asked for k = 0 drafts (it is not asked).
+        state = _state(self.drafter)
+        state.forget_finished(self.requests)
+        scheduled = self.execute_model_state.scheduler_output.num_scheduled_tokens
+        state.skip(_batch_rows(self.input_batch, self.input_batch.num_reqs, scheduled))
+        state.plain_steps += 1
+        return _without_speculation(self, runner_sample, *args, **kwargs)
+
+    GPUModelRunner.execute_model = execute_model
+    GPUModelRunner.sample_tokens = sample_tokens
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     DraftModelProposer.propose = propose
     setattr(DraftModelProposer, _PATCHED, True)
