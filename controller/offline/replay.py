@@ -204,6 +204,16 @@ def workload_at_batches(part: Slice, types: Sequence[str], tokens: dict[Pair, st
     return Workload(tuple(specs), tuple(buckets), tuple(types), {v: k for k, v in tokens.items()}, (note,))
 
 
+def cost_measured_k(windows: Sequence[CostWindow]) -> dict[tuple[int, str], int]:
+    """The largest k of the stored cost windows (with rounds) per (batch bucket, context bucket)."""
+    out: dict[tuple[int, str], int] = {}
+    for w in windows:
+        if w.rounds > 0:
+            key = (w.batch_bucket, w.context_bucket)
+            out[key] = max(out.get(key, 0), w.max_k)
+    return out
+
+
 def measured_k(windows: Sequence[AcceptanceWindow]) -> dict[tuple[str, ...], int]:
     """The largest k drafted in acceptance windows (with rows): per ``("cell", request type, context bucket)``,
     per ``("type", request type)`` and over ``("all",)``; positions past it are extrapolated by the replay."""
@@ -415,11 +425,35 @@ class Replay:
     window_s: float
     notes: tuple[str, ...] = ()
     measured_k: dict[tuple[str, ...], int] = field(default_factory=dict)  # see :func:`measured_k`
+    # (batch bucket, context bucket) -> the largest k the cost windows measured there (:func:`cost_measured_k`);
+    # None when a recorded sweep gives the cost (it measured every k it has)
+    cost_k: dict[tuple[int, str], int] | None = None
     _rounds: dict[tuple[WindowSpec, tuple[int, ...]], tuple[float, float]] = field(default_factory=dict)
 
     @property
     def windows(self) -> int:
         return len(self.load.specs)
+
+    def cost_cap(self, batch_bucket: int, context: str) -> int | None:
+        """The deepest k whose round cost was measured at this batch bucket or a larger one (in this context
+        bucket, else in any; past the largest batch bucket measured, that bucket's): a deeper k's cost there is the
+        fitted model's extrapolation across batch sizes, which verification's growth with the tokens verified makes
+        too cheap where no draft was ever verified (a tuned table once drafted k = 5 at batch 32, measured at k = 0
+        only, and its export drafted 5 at every batch). A k measured at a larger batch is plausible at a smaller
+        one, since a round's verification only grows with the batch. None: no cap (a recorded sweep, or no cost
+        windows)."""
+        if not self.cost_k:
+            return None
+        for same_context in (True, False):
+            cells = [(b, k) for (b, c), k in self.cost_k.items() if c == context or not same_context]
+            if not cells:
+                continue
+            above = [k for b, k in cells if b >= batch_bucket]
+            if above:
+                return max(above)
+            top = max(b for b, _ in cells)
+            return max(k for b, k in cells if b == top)
+        return None
 
     def table_ks(self, table: PolicyTable) -> KsFn:
         def ks(spec: WindowSpec, bb: int) -> tuple[int, ...]:
@@ -602,4 +636,5 @@ def build_replay(part: Slice, K: int, cost: CostSource | None, window_s: float) 
         source.round_s(1.0, cx)
     cal = ReplayCalibration(acceptance_pmfs(acc, tokens, types, contexts, K), types, contexts, K, source)
     return Replay(cal, load, window_s, notes=(source.description, *source.notes, *load.notes),
-                  measured_k=measured_k(acc))
+                  measured_k=measured_k(acc),
+                  cost_k=None if isinstance(source, SweepCost) else cost_measured_k([w.window for w in part.cost]))

@@ -200,7 +200,9 @@ class Space:
 
     A table's k per bucket is searched in ``[0, cap]``: ``cap`` is ``k_max`` capped at the largest k drafted in
     the acceptance windows of the bucket's (request type, context bucket) over every version, else its request
-    type's, else every window's (:func:`controller.offline.replay.measured_k`), unless ``allow_extrapolation``.
+    type's, else every window's (:func:`controller.offline.replay.measured_k`), and at the deepest k whose cost was
+    measured at the bucket's batch or a larger one (:meth:`controller.offline.replay.Replay.cost_cap`), unless
+    ``allow_extrapolation``.
     """
 
     def __init__(self, cfg: TuneConfig, replay: Replay, seed_table: PolicyTable) -> None:
@@ -208,6 +210,7 @@ class Space:
         self.cells: list[tuple[str, int, str]] = []  # (request type, batch bucket, context bucket)
         self.caps: dict[tuple[str, int, str], int] = {}  # the largest k searched per cell
         self.share: dict[tuple[str, int, str], float] = {}
+        self.cost_capped: set[tuple[str, int, str]] = set()  # cells whose cap is the deepest k cost was measured at
         measured = replay.measured_k
         # the largest k any entry of the tuned table may hold (its default and the seed's untuned entries too)
         self.k_limit = cfg.k_max if cfg.allow_extrapolation else min(cfg.k_max, measured.get(("all",), cfg.k_max))
@@ -221,7 +224,12 @@ class Space:
             self.cells = sorted(c for c, s in share.items() if s >= cfg.min_share)
             for rt, bb, ctx in self.cells:
                 deepest = measured.get(("cell", rt, ctx), measured.get(("type", rt), self.k_limit))
-                self.caps[(rt, bb, ctx)] = cfg.k_max if cfg.allow_extrapolation else min(cfg.k_max, deepest)
+                cap = cfg.k_max if cfg.allow_extrapolation else min(cfg.k_max, deepest)
+                by_cost = None if cfg.allow_extrapolation else replay.cost_cap(bb, ctx)
+                if by_cost is not None and by_cost < cap:
+                    self.cost_capped.add((rt, bb, ctx))
+                    cap = by_cost
+                self.caps[(rt, bb, ctx)] = cap
             self.pairs = sorted(set(replay.load.pair_of.values()))
             self.main_pair = max(self.pairs, key=lambda p: sum(
                 1 for s in replay.load.specs if replay.load.pair_of[s.version] == p))
@@ -747,9 +755,16 @@ def _cap_note(cfg: TuneConfig, space: Space) -> str | None:
     if not space.capped:
         return None
     caps = sorted({space.caps[c] for c in space.cells} | {space.k_limit})
+    by_cost = ""
+    if space.cost_capped:
+        cells = sorted(space.cost_capped, key=lambda c: (c[1], c[2], c[0]))
+        shown = ", ".join(f"{rt} batch {bb} {ctx} k <= {space.caps[(rt, bb, ctx)]}" for rt, bb, ctx in cells[:6])
+        more = f" and {len(cells) - 6} more" if len(cells) > 6 else ""
+        by_cost = (f"; and at the deepest k whose round cost was measured at the bucket's batch or a larger one "
+                   f"({shown}{more}): deeper, the cost is the model's guess across batch sizes")
     return (f"k capped at the largest k drafted in the acceptance windows (per request type and context bucket; "
-            f"caps {', '.join(map(str, caps))} below --k-max {cfg.k_max}): past it acceptance is not measured. "
-            "Pass --allow-extrapolation to search up to --k-max anyway")
+            f"caps {', '.join(map(str, caps))} below --k-max {cfg.k_max}): past it acceptance is not measured"
+            f"{by_cost}. Pass --allow-extrapolation to search up to --k-max anyway")
 
 
 def _summarise(cfg: TuneConfig, study: Any, space: Space, replay: Replay, held: Replay | None, held_out: HeldOut,

@@ -124,6 +124,25 @@ def test_k_never_goes_past_the_largest_k_drafted_unless_allowed(sqlite_url: str)
     assert all(b["k_cap"] == 6 for b in free["buckets"]) and free["k_space"]["capped"] is False
 
 
+def test_k_never_goes_past_the_deepest_k_whose_cost_was_measured_at_that_batch_or_a_larger_one(
+        sqlite_url: str) -> None:
+    # Acceptance measured up to k = 5; round cost up to k = 5 at batch 1, 2 at batch 8, only k = 0 at batch 32 (a
+    # live policy that never drafted there). Deeper ks at batch 8 and 32 would rest on the cost model's guess.
+    t0 = 1000.0
+    acc = [WindowBatch(engine_id="engine:m", seq=i, window_start=t0 + i, window_end=t0 + i + 1,
+                       acceptance=(_acc(5, 400, (40, 40, 60, 60, 80, 120)),), cost=()) for i in range(30)]
+    cost = [WindowBatch(engine_id="iterations:m", seq=i, window_start=t0 + i + 0.5, window_end=t0 + i + 1.5,
+                        acceptance=(), cost=(_cost(i % 6, 1), _cost(i % 3, 8), _cost(0, 32))) for i in range(30)]
+    _store(sqlite_url, acc + cost)
+    s = tune(_cfg(sqlite_url, trials=12, holdout=0.0, k_max=5))
+    caps = {b["batch_bucket"]: b["k_cap"] for b in s["buckets"]}
+    assert caps == {1: 5, 8: 2, 32: 0}
+    assert all(b["tuned_k"] <= b["k_cap"] for b in s["buckets"])
+    assert any("deepest k whose round cost was measured" in n for n in s["notes"])
+    free = tune(_cfg(sqlite_url, trials=12, holdout=0.0, k_max=5, allow_extrapolation=True, store=False))
+    assert {b["batch_bucket"]: b["k_cap"] for b in free["buckets"]} == {1: 5, 8: 5, 32: 5}
+
+
 # ------------------------------------------------------------------------------------------ held-out verdict
 def test_no_held_out_verdict_on_too_few_windows(sqlite_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     store_synthetic(sqlite_url, windows=16)  # about 5 engine windows held out
