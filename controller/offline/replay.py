@@ -438,10 +438,10 @@ class Replay:
         """The deepest k whose round cost was measured at this batch bucket or a larger one (in this context
         bucket, else in any; past the largest batch bucket measured, that bucket's): a deeper k's cost there is the
         fitted model's extrapolation across batch sizes, which verification's growth with the tokens verified makes
-        too cheap where no draft was ever verified (a tuned table once drafted k = 5 at batch 32, measured at k = 0
-        only, and its export drafted 5 at every batch). A k measured at a larger batch is plausible at a smaller
-        one, since a round's verification only grows with the batch. None: no cap (a recorded sweep, or no cost
-        windows)."""
+        too cheap where no draft was ever verified (a tuned table once drafted k = 5 at batch 32, where the live
+        policy ran k = 0, and its export drafted 5 at every batch). A k measured at a larger batch is plausible at
+        a smaller one, since a round's verification only grows with the batch. None: no cap (a recorded sweep, or
+        no cost windows)."""
         if not self.cost_k:
             return None
         for same_context in (True, False):
