@@ -74,6 +74,9 @@ SETTLED_Z = 1.0
 # A smaller batch bucket's incumbent caps the larger ones (batch_cap) once its k is measured there in this many
 # windows: the cost model's prior pseudo-windows are 2, so at 4 the cell's own rounds outweigh the shared fit.
 CAP_WINDOWS = 4.0
+# explore_off: a cell that is on re-checks k = 0 (GoodputPolicy._recheck_off) until k = 0 has this many windows of its
+# own evidence: twice the cost model's prior pseudo-windows, so the cell's rounds outweigh the shared fit 2:1.
+OFF_EVIDENCE_WINDOWS = 4.0
 # Kinds that serve something other than the incumbent, to measure it.
 EXPLORING_KINDS = frozenset({DecisionKind.EXPLORE, DecisionKind.PROBE, DecisionKind.PROBE_OFF, DecisionKind.REPROBE})
 
@@ -91,6 +94,8 @@ class _Cell:
     hold: int = 0  # decisions left before the incumbent may change again
     off: int = 0  # consecutive decisions that served speculation off
     reprobes: int = 0  # re-probes since the cell was last on by choice: each doubles the wait before the next
+    on: int = 0  # consecutive decisions that served speculation on (``explore_off``)
+    rechecks: int = 0  # off re-checks since the incumbent last changed: each doubles the wait before the next
     explored: int = 0  # draws of measured ks served since the incumbent last changed: each doubles the next margin
     probed: bool = False  # the cell's one cost probe has been served
     epoch: int = -1  # windows observed when ``served`` was chosen: one choice per cell per batch of windows
@@ -212,6 +217,11 @@ class GoodputPolicy(Policy):
             (:func:`controller.offline.project.non_increasing`). Only a settled choice caps (:meth:`_cap` says
             when). The cap lowers an incumbent above it at once, masks the mean's and the draws' choices, and
             bounds the probes.
+        explore_off: a cell that is on re-measures speculation off while its k = 0 rests on little evidence (see
+            :meth:`_recheck_off`), the mirror of ``_reprobe``. For an engine where turning the draft off and on
+            again costs little (vLLM under spectune's lazy draft sync: the catch-up is one batched pass of a small
+            draft). False (the default) keeps k = 0 to the mean and the one cost probe, as the reference engine's
+            catch-up costs a window.
     """
 
     name = "goodput"
@@ -224,7 +234,7 @@ class GoodputPolicy(Policy):
                  explore_radius: int = 2, packed: bool = True, reopen_rows: float = 10.0,
                  one_k_per_batch: bool = False, level_strength: float = 10.0, mix_rows: float = 1000.0,
                  explore_margin: float = 0.05, noise_z: float = 1.0, explore_doublings: int = 3,
-                 cost_draws: bool = True, batch_cap: bool = False) -> None:
+                 cost_draws: bool = True, batch_cap: bool = False, explore_off: bool = False) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
@@ -241,7 +251,7 @@ class GoodputPolicy(Policy):
         self.switch_margin, self.hold_decisions, self.probe_every = switch_margin, hold_decisions, probe_every
         self.slope_cells, self.packed, self.reopen_rows = slope_cells, packed, reopen_rows
         self.one_k_per_batch, self.noise_z, self.explore_doublings = one_k_per_batch, noise_z, explore_doublings
-        self.batch_cap = batch_cap
+        self.batch_cap, self.explore_off = batch_cap, explore_off
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay, level_strength, mix_rows)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every, draw_measured=cost_draws)
@@ -256,7 +266,7 @@ class GoodputPolicy(Policy):
         self._rules: tuple[Rule, ...] = (self._first, self._hold, self._probe_off, self._switch, self._explore,
                                          self._keep)
         # Then, in order, measurements that override what the rules chose (each sees what the cell serves so far).
-        self._overrides: tuple[Rule, ...] = (self._cost_probe, self._reprobe)
+        self._overrides: tuple[Rule, ...] = (self._cost_probe, self._reprobe, self._recheck_off)
 
     # ----------------------------------------------------------------------------------------- learning
     def _observe(self, window: Window) -> None:
@@ -292,6 +302,7 @@ class GoodputPolicy(Policy):
         for (t, d, _bb, ctx), cell in self._cells.items():
             if (t, d, ctx) == (target_version, draft_version, context_bucket):
                 cell.hold, cell.probed, cell.epoch, cell.reprobes, cell.explored = 0, False, -1, 0, 0
+                cell.rechecks = 0
 
     def _forget(self, request_type: str | None, versions: tuple[str, str] | None) -> None:
         self._acc.drop(request_type, versions)
@@ -517,7 +528,7 @@ class GoodputPolicy(Policy):
             # its per-row cost, and a switch held on that guess cost 3 windows at 0.82 of the oracle.
             return _CellDecision(DecisionKind.EXPLORE, est.best, f"try k={top} before switching: cost unmeasured")
         cell.incumbent.update(zip(est.types, est.best, strict=True))
-        cell.hold, cell.explored = self.hold_decisions, 0
+        cell.hold, cell.explored, cell.rechecks = self.hold_decisions, 0, 0
         if max(est.best) == 0:
             return _CellDecision(DecisionKind.OFF, est.best, "switch off: expected gain above off_margin")
         return _CellDecision(DecisionKind.SWITCH, est.best, "switch: expected gain above margin")
@@ -618,12 +629,42 @@ class GoodputPolicy(Policy):
         alt = est.best_on
         return _CellDecision(DecisionKind.REPROBE, est.shared(alt), f"re-probe k={alt} after speculation off")
 
+    def _recheck_off(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
+        """``explore_off``: a cell on for ``probe_every`` decisions in a row, whose k = 0 has less than
+        ``OFF_EVIDENCE_WINDOWS`` windows of its own evidence and which the mean puts within ``K0_PROBE_WITHIN`` of
+        the incumbent, serves speculation off once to measure it.
+
+        Draws never explore k = 0 (see :meth:`_explore`) and the one cost probe measures it in a window or two, so a
+        cell's k = 0 can rest for good on the few windows that probe happened to catch: on ``bench vllm`` at 63cf837
+        the batch-16 cell held 3 windows at k = 0 against 369 at k = 1, the mean put k = 0 9% behind, and static
+        k = 0 servers ran 7-10% ahead of the live policy's k = 1-2 at that concurrency. Each re-check that leaves
+        the incumbent standing doubles the wait before the next (up to ``2 ** MAX_REPROBE_DOUBLINGS`` times), and
+        they stop once k = 0 is measured well enough: exploration that stops on evidence, as ``_explore``'s does.
+        A switch or an acceptance drift starts the wait over.
+        """
+        on = max(cell.served.values()) > 0
+        cell.on = cell.on + 1 if on else 0
+        if not self.explore_off or not on or cell.kind in EXPLORING_KINDS:
+            return None
+        if cell.on < self.probe_every * 2 ** min(cell.rechecks, MAX_REPROBE_DOUBLINGS):
+            return None
+        bb, ctx = est.bucket.batch_bucket, est.bucket.context_bucket
+        off = est.shared(0)
+        g_cur = est.g_mean[est.index(self._incumbent(cell, est))]
+        if (self._cost.windows(bb, ctx).get(0, 0.0) >= OFF_EVIDENCE_WINDOWS
+                or est.g_mean[est.index(off)] < (1.0 - K0_PROBE_WITHIN) * g_cur):
+            return None
+        cell.on = 0
+        cell.rechecks += 1
+        return _CellDecision(DecisionKind.PROBE, off, "re-check k=0: its cost rests on few windows")
+
     # ----------------------------------------------------------------------------------------- state
     def _get_state(self) -> dict[str, Any]:
         cells = [{"target_version": t, "draft_version": d, "batch_bucket": bb, "context_bucket": ctx,
                   "incumbent": dict(c.incumbent), "served": dict(c.served), "kind": c.kind.value, "reason": c.reason,
                   "expected": {str(k): g for k, g in c.expected.items()}, "hold": c.hold, "off": c.off,
-                  "probed": c.probed, "epoch": c.epoch, "reprobes": c.reprobes, "explored": c.explored}
+                  "probed": c.probed, "epoch": c.epoch, "reprobes": c.reprobes, "explored": c.explored,
+                  "on": c.on, "rechecks": c.rechecks}
                  for (t, d, bb, ctx), c in self._cells.items()]
         return {"acceptance": self._acc.get_state(), "cost": self._cost.get_state(), "cells": cells,
                 "emitted": self._emitted.get_state()}
@@ -642,4 +683,5 @@ class GoodputPolicy(Policy):
                 served={str(t): int(k) for t, k in r["served"].items()}, kind=DecisionKind(r["kind"]),
                 reason=str(r["reason"]), expected={int(k): float(g) for k, g in r["expected"].items()},
                 hold=int(r["hold"]), off=int(r["off"]), probed=bool(r["probed"]), epoch=int(r["epoch"]),
-                reprobes=int(r.get("reprobes", 0)), explored=int(r.get("explored", 0)))
+                reprobes=int(r.get("reprobes", 0)), explored=int(r.get("explored", 0)), on=int(r.get("on", 0)),
+                rechecks=int(r.get("rechecks", 0)))

@@ -34,6 +34,11 @@ from telemetry.store import Store
 from telemetry.transport import DEFAULT_PREFIX, RedisConfig, RedisKeys, RedisStreamsTransport, Transport
 
 MAX_PORT = 65535
+# The goodput policy's settings for an engine that runs one k per step (one_k_per_batch; vLLM). off_margin: turning
+# speculation off needs 3% (the policy's default 10% pays for the reference engine's catch-up, a window at reduced
+# speed; vLLM's lazy sync catches the draft up on the tokens it missed in one batched pass of a 1-layer model), on
+# top of one standard error of the measured difference (noise_z) and with hold_decisions after the switch.
+VLLM_POLICY: dict[str, Any] = {"one_k_per_batch": True, "batch_cap": True, "explore_off": True, "off_margin": 0.03}
 
 
 def _stream_sink(s: SidecarSettings, _metrics: SidecarMetrics) -> AlertSink:
@@ -63,7 +68,9 @@ class SidecarSettings:
     k_max: int = 8  # the largest k the policy may choose
     seed: int = 0  # the policy's RNG
     # The engines run one k per step for the whole batch (vLLM): every request type of a cell gets the same k, and a
-    # larger batch never drafts deeper than a settled smaller one (GoodputPolicy batch_cap).
+    # larger batch never drafts deeper than a settled smaller one (GoodputPolicy batch_cap). Such an engine also
+    # turns its draft off and on cheaply (spectune's lazy draft sync catches the draft up in one batched pass), so
+    # speculation off is re-measured where its evidence is thin and needs a smaller margin (VLLM_POLICY).
     one_k_per_batch: bool = False
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)  # decision timing, start-up replay, caps
     lease: LeaseConfig | None = None  # the leader lease ({prefix}:leader); None: always the leader (one sidecar)
@@ -139,7 +146,7 @@ def build_sidecar(settings: SidecarSettings, *, transport: Transport | None = No
     """
     if (transport is None or publisher is None) and settings.redis_url is None:
         raise ValueError("build_sidecar needs a transport and a publisher, or SidecarSettings.redis_url")
-    policy_kw: dict[str, Any] = {"one_k_per_batch": True, "batch_cap": True} if settings.one_k_per_batch else {}
+    policy_kw: dict[str, Any] = dict(VLLM_POLICY) if settings.one_k_per_batch else {}
     policy = REGISTRY[settings.policy](k_max=settings.k_max, seed=settings.seed, **policy_kw)
     with ExitStack() as owned:
         store = owned.enter_context(Store(settings.db_url, auto_upgrade=settings.auto_upgrade))

@@ -75,10 +75,12 @@ def test_redis_sidecar_with_lease_alerts_and_endpoint(redis_url: str, redis_pref
 
 
 def test_one_k_per_batch_caps_a_larger_batch_by_a_smaller_ones_k(sqlite_url: str) -> None:
-    # vLLM runs one k per step: its sidecar's policy never drafts a larger batch deeper than a settled smaller one.
+    # vLLM runs one k per step: its sidecar's policy never drafts a larger batch deeper than a settled smaller one,
+    # and it turns the draft off and on cheaply: k = 0 is re-checked where thinly measured, off needs a 3% margin.
     for one_k, cap in ((True, True), (False, False)):
         settings = SidecarSettings(db_url=sqlite_url, auto_upgrade=True, sidecar=FAST, one_k_per_batch=one_k)
         with build_sidecar(settings, transport=InProcessTransport(), publisher=CallbackPublisher(print)) as service:
             policy = service.sidecar.policy
             assert isinstance(policy, GoodputPolicy)
             assert policy.one_k_per_batch is one_k and policy.batch_cap is cap
+            assert policy.explore_off is one_k and policy.off_margin == (0.03 if one_k else 0.10)

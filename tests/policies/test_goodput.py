@@ -715,3 +715,48 @@ def test_one_k_per_batch_a_type_new_to_a_quiet_cell_joins_the_cells_k() -> None:
     assert d.k == deep
     assert max(d.expected_goodput, key=lambda k: d.expected_goodput[k]) < deep
     assert p.decide(bucket("structured"), explore=False).k == deep
+
+
+def _on_with_thin_off(explore_off: bool) -> tuple[GoodputPolicy, Bucket]:
+    """A cell on at k = 2 whose k = 0 was measured once, in a slow window: the mean puts k = 0 about 10% behind."""
+    p = GoodputPolicy(k_max=2, seed=0, hold_decisions=0, probe_every=4, explore_off=explore_off, off_margin=0.03)
+    for bb in (1, 16):  # the shared cost model: k = 2 costs 1.6x k = 0
+        base = 0.01 * (1 + bb / 4)
+        p.observe(_cost(bb, 0, base))
+        p.observe(_cost(bb, 2, base * 1.6))
+    b = Bucket("t1", "d1", "code", 4, "<=512")
+    p.observe(_acc("code", 2, (300, 150, 50)))  # 1.5 tokens a round at k = 2
+    p.observe(_cost(4, 0, 0.026))  # k = 0 caught in a slow spell (it costs 0.02)
+    for _ in range(3):
+        p.observe(_cost_at(4, 2))
+    return p, b
+
+
+def _cost_at(bb: int, k: int) -> CostWindow:
+    """What k really costs in the cell of _on_with_thin_off: tokens a row over seconds a round are 1 / 0.02 at k = 0,
+    1.25 / 0.026 at k = 1 and 1.5 / 0.032 at k = 2 (k = 0 is 4-7% ahead)."""
+    w = _cost(bb, k, (0.02, 0.026, 0.032)[k])
+    return replace(w, emitted=w.batch_rows * (4, 5, 6)[k] // 4)
+
+
+def test_a_thinly_measured_off_is_rechecked_until_measured() -> None:
+    """explore_off: a cell that is on re-measures k = 0 every probe_every decisions, the wait doubling, while k = 0
+    has under OFF_EVIDENCE_WINDOWS windows. Without it k = 0 keeps its one slow window for good."""
+    runs = {}
+    for explore_off in (False, True):
+        p, b = _on_with_thin_off(explore_off)
+        served = []
+        for _ in range(40):
+            p.observe(_acc("code", 2, (300, 150, 50)))
+            d = p.decide(b)
+            served.append((d.kind, d.k))
+            p.observe(_cost_at(4, d.k))
+        runs[explore_off] = (served, d.expected_goodput[0], p._cost.windows(4, "<=512")[0])
+    served, g0, n0 = runs[False]
+    assert all(k > 0 for _, k in served) and n0 < 0.5  # never measured again: the slow window stands
+    served, g0_rechecked, n0 = runs[True]
+    at = [i for i, (kind, k) in enumerate(served) if k == 0]
+    assert all(served[i][0] is DecisionKind.PROBE for i in at) and len(at) == 3
+    assert at[0] == 3 and at[2] - at[1] > at[1] - at[0] > 4  # after probe_every decisions on, then waits doubling
+    assert n0 > 1.5  # each re-check added a window of evidence
+    assert g0_rechecked > g0 * 1.02  # k = 0's estimate moved toward what it costs (200 tokens/s)
