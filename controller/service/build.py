@@ -36,7 +36,7 @@ from telemetry.transport import DEFAULT_PREFIX, RedisConfig, RedisKeys, RedisStr
 MAX_PORT = 65535
 # The goodput policy's settings for an engine that runs one k per step (one_k_per_batch; vLLM). off_margin: turning
 # speculation off needs 3% (the policy's default 10% pays for the reference engine's catch-up, a window at reduced
-# speed; vLLM's lazy sync catches the draft up on the tokens it missed in one batched pass of a 1-layer model), on
+# speed; vLLM's lazy sync catches the draft up on the tokens it missed in one batched pass of the small draft), on
 # top of one standard error of the measured difference (noise_z) and with hold_decisions after the switch.
 VLLM_POLICY: dict[str, Any] = {"one_k_per_batch": True, "batch_cap": True, "explore_off": True, "off_margin": 0.03}
 
