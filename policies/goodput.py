@@ -61,7 +61,7 @@ from policies.base import Decision, DecisionKind, Policy, Window
 from telemetry.records import AcceptanceWindow, Bucket, Cell, CostWindow
 
 MIN_TYPE_WEIGHT = 0.02  # a type absent from the recent mix still gets a say (it is being asked about)
-MAX_REPROBE_DOUBLINGS = 4  # an off cell whose re-probes keep confirming "off" waits up to 16x probe_every
+MAX_REPROBE_DOUBLINGS = 4  # a cell whose re-probes (re-checks) keep confirming off (on) waits up to 16x probe_every
 # The jump in cost at k > 0 is measured (a cost probe at k = 0) only in a cell where the posterior mean puts k = 0
 # within this share of the best k > 0. Where k = 0 is far behind (batch 1 on a memory-bound target: 0.43-0.46 of
 # the best in the simulator's cold starts) its measurement cannot change a choice and costs a window at half speed;
@@ -622,12 +622,17 @@ class GoodputPolicy(Policy):
         if on and cell.kind not in EXPLORING_KINDS:
             cell.reprobes = 0
         cell.off = 0 if on else cell.off + 1
-        if cell.off < self.probe_every * 2 ** min(cell.reprobes, MAX_REPROBE_DOUBLINGS):
+        if cell.off < self._probe_wait(cell.reprobes):
             return None
         cell.off = 0
         cell.reprobes += 1
         alt = est.best_on
         return _CellDecision(DecisionKind.REPROBE, est.shared(alt), f"re-probe k={alt} after speculation off")
+
+    def _probe_wait(self, probes: int) -> int:
+        """Decisions in one state (off for ``_reprobe``, on for ``_recheck_off``) before the other is measured once:
+        ``probe_every``, doubled by each of the ``probes`` that left the cell as it was."""
+        return self.probe_every * 2 ** min(probes, MAX_REPROBE_DOUBLINGS)
 
     def _recheck_off(self, cell: _Cell, est: _Estimate) -> _CellDecision | None:
         """``explore_off``: a cell on for ``probe_every`` decisions in a row, whose k = 0 has less than
@@ -646,7 +651,7 @@ class GoodputPolicy(Policy):
         cell.on = cell.on + 1 if on else 0
         if not self.explore_off or not on or cell.kind in EXPLORING_KINDS:
             return None
-        if cell.on < self.probe_every * 2 ** min(cell.rechecks, MAX_REPROBE_DOUBLINGS):
+        if cell.on < self._probe_wait(cell.rechecks):
             return None
         bb, ctx = est.bucket.batch_bucket, est.bucket.context_bucket
         off = est.shared(0)
