@@ -313,7 +313,7 @@ def server_configs(cfg: BenchConfig, prefix: str, schedule: tuple[tuple[int, int
         else:
             out[name] = replace(base, port=port, k_max=K_MAX, redis_url=cfg.redis_url, prefix=prefix,
                                 engine_id="bench-vllm", status_path=work / "spectune-status.jsonl",
-                                status_every_s=2.0)
+                                status_every_s=2.0, trace_path=work / "spectune-trace.jsonl")
     return out
 
 

@@ -47,14 +47,14 @@ def vllm_server(vllm_python: Path, redis_url: str, tmp_path_factory: pytest.Temp
     cfg = VllmServeConfig(
         profile="small", models_dir=work / "models", redis_url=redis_url, prefix=prefix, engine_id="vllm-test",
         port=port, vllm_python=vllm_python, status_path=work / "status.jsonl", status_every_s=0.5,
-        default_k=3,
+        default_k=3, trace_path=work / "trace.jsonl",
         extra_args=("--enforce-eager", "--max-num-seqs", "16"))  # no torch.compile: a minute less to start
     log = work / "vllm.log"
     proc = start(cfg, log, env={"VLLM_LOG_STATS_INTERVAL": "1"})
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc, STARTUP_S, log)
         yield Server(f"http://127.0.0.1:{port}", "target-v1", redis_url, prefix, log, work / "status.jsonl",
-                     threading.Lock())
+                     threading.Lock(), work / "trace.jsonl")
     finally:
         stop(proc)
         r = redis.Redis.from_url(redis_url)

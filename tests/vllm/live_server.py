@@ -19,6 +19,7 @@ class Server:
     log: Path
     status: Path
     _lock: threading.Lock
+    trace: Path  # the scheduler's step trace (VllmSpectuneConfig.trace_path)
 
     def complete(self, prompt: str | list[int], max_tokens: int = 64, request_type: object = None,
                  **extra: Any) -> dict[str, Any]:
@@ -39,3 +40,10 @@ class Server:
         if not self.status.exists():
             return []
         return [json.loads(x) for x in self.status.read_text().splitlines() if x.strip()]
+
+    def steps_since(self, t: float) -> list[dict[str, Any]]:
+        """Trace lines of the steps that began at or after ``t`` (``time.perf_counter()``: one monotonic clock
+        for every process on the machine)."""
+        if not self.trace.exists():
+            return []
+        return [s for s in (json.loads(x) for x in self.trace.read_text().splitlines() if x.strip()) if s["t"] >= t]

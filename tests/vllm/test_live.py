@@ -170,6 +170,36 @@ def test_rounds_reach_redis_as_windows_by_request_type(vllm_server: Server) -> N
     assert all(w.accepted <= w.drafted == w.rows * 3 for w in acc)
     cost = [w for b in batches for w in b.cost]
     assert cost and all(w.verify_s.total > 0 and w.max_k == 3 for w in cost)
+    # the worker timed each proposal (draft_timing): every k = 3 round carries the one that made its drafts
+    assert all(w.draft_s.total > 0 for w in cost)
+
+
+def test_the_step_trace_accounts_for_every_token_of_a_request(vllm_server: Server) -> None:
+    v = publish(vllm_server, 3)
+    wait_until(lambda: policy_version(vllm_server) == v, SHIP_S, "the engine to follow the table")
+    quiet_mark(vllm_server)  # earlier tests' steps are over
+    t = time.perf_counter()
+    prompt = f"# trace {next(_versions)}\n" + PROMPTS["code"][0]  # a new prefix: no prefix-cache hit
+    usage = vllm_server.complete(prompt, 40, "code")["usage"]
+    n_out, n_prompt = usage["completion_tokens"], usage["prompt_tokens"]
+
+    def traced() -> list[dict[str, Any]] | None:
+        steps = vllm_server.steps_since(t)
+        done = sum(s["first_tokens"] for s in steps) == 1 and sum(s["emitted"] for s in steps) == n_out - 1
+        return steps if done else None
+
+    steps = wait_until(traced, SHIP_S, "the request's steps in the trace")
+    assert sum(s["prefill_tokens"] for s in steps) == n_prompt  # every prompt token, once
+    assert all(s["decode_rows"] + s["prefill_rows"] == 1 for s in steps)  # one request, one row per step
+    assert all(s["model_s"] > 0 and s["schedule_s"] >= 0 and s["update_s"] >= 0 for s in steps)
+    assert all(s["gap_s"] >= 0 for s in steps[1:])  # the loop's time between two busy steps
+    assert {s["k_next"] for s in steps} == {3}  # the table's k, drafted every step
+    decode = [s for s in steps if s["decode_rows"]]
+    assert decode and all(s["drafts"] <= 3 and s["emitted"] <= s["sampled"] <= s["drafts"] + 1 for s in decode)
+    # every step proposed drafts, timed in the worker; each round is charged the proposal of the step before
+    assert all(0 < s["propose_s"] < s["model_s"] for s in steps)
+    assert [s["draft_s"] for s in steps[1:] if s["decode_rows"]] == [
+        p["propose_s"] for p, s in itertools.pairwise(steps) if s["decode_rows"]]
 
 
 def test_the_table_sets_k_per_request_type(vllm_server: Server) -> None:

@@ -14,7 +14,7 @@ from controller.engines.vllm.steps import (
     VllmStepBridge,
     batch_k,
 )
-from telemetry.records import PolicyTable
+from telemetry.records import PolicyTable, RoundRecord
 from telemetry.wire import check_round
 
 V = {"target_version": "target-v1", "draft_version": "draft-v1"}
@@ -219,3 +219,74 @@ def test_a_failure_of_spectunes_own_code_is_counted_and_shown_never_raised() -> 
     b.step_failed("record", KeyError("req-7"))
     st = b.status()
     assert st["step_errors"] == 1 and st["last_step_error"] == "record: KeyError: 'req-7'"
+
+
+def test_the_step_trace_is_written_in_blocks_and_at_close(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from controller.engines.vllm.steps import TRACE_FLUSH_STEPS
+
+    path = Path(str(tmp_path)) / "trace.jsonl"
+    b = bridge(trace_path=str(path))
+    for i in range(TRACE_FLUSH_STEPS + 3):
+        b.trace({"step": i})
+    assert len(path.read_text().splitlines()) == TRACE_FLUSH_STEPS  # one block written, three lines held
+    b.close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == list(range(TRACE_FLUSH_STEPS + 3))
+
+
+def test_a_trace_that_cannot_be_written_is_counted_and_the_steps_go_on(tmp_path: object) -> None:
+    from pathlib import Path
+
+    b = bridge(trace_path=str(Path(str(tmp_path)) / "no-such-dir" / "trace.jsonl"))
+    b.trace({"step": 0})
+    b.close()
+    st = b.status()
+    assert st["trace_errors"] == 1 and st["last_step_error"].startswith("trace: FileNotFoundError")
+
+
+def test_without_a_trace_path_nothing_is_kept() -> None:
+    b = bridge()
+    b.trace({"step": 0})
+    assert b._trace == []
+
+
+def _decode_step(b: VllmStepBridge, k: int, model_s: float, propose_s: float | None) -> RoundRecord:
+    r = b.round_record([(RowAtSchedule("code", 100, True, 10), RowOutcome(k, 1, 11))], schedule_s=1e-4,
+                          model_s=model_s, update_s=1e-4, prefill_tokens=0, total_tokens=k + 1, timestamp=1.0e9,
+                          propose_s=propose_s)
+    assert r is not None
+    return r
+
+
+def test_each_round_is_charged_the_proposal_that_made_its_drafts() -> None:
+    b = bridge()
+    first = _decode_step(b, 3, 0.050, 0.030)  # verifies 3 drafts, proposes 5 (30 ms)
+    second = _decode_step(b, 5, 0.060, 0.018)  # verifies those 5, proposes 3 (18 ms)
+    third = _decode_step(b, 3, 0.045, 0.018)
+    # the first round's own drafts were proposed before anything was timed: no draft time for it
+    assert (first.draft_s, first.verify_s) == pytest.approx((0.0, 0.020))
+    assert (second.draft_s, second.verify_s) == pytest.approx((0.030, 0.042))
+    assert (third.draft_s, third.verify_s) == pytest.approx((0.018, 0.027))
+    for r in (first, second, third):
+        check_round(r)
+    st = b.status()
+    assert st["draft_timed_steps"] == 3 and st["propose_s"] == pytest.approx(0.066)
+
+
+def test_a_prefill_only_steps_proposal_is_charged_to_the_round_that_verifies_it() -> None:
+    b = bridge()
+    assert b.round_record([(RowAtSchedule("code", 0, False, 0), RowOutcome(0, 1, 1))], schedule_s=1e-4,
+                          model_s=0.2, update_s=1e-4, prefill_tokens=300, total_tokens=300, timestamp=1.0e9,
+                          propose_s=0.025) is None
+    r = _decode_step(b, 3, 0.05, 0.02)
+    assert r.draft_s == pytest.approx(0.025)
+    assert b.prefill_cost.prefill_only.samples == 1  # fitted on the target's part: 0.175 s for 300 tokens
+
+
+def test_without_the_timer_the_whole_call_is_verification_as_before() -> None:
+    b = bridge()
+    for _ in range(2):
+        r = _decode_step(b, 3, 0.05, None)
+        assert (r.draft_s, r.verify_s) == pytest.approx((0.0, 0.05))
+    assert b.status()["draft_timed_steps"] == 0

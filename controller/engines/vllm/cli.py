@@ -57,6 +57,9 @@ def build_parser(redis_default: str) -> argparse.ArgumentParser:
                         "(default); eager: vLLM's own, the draft runs over every token even at k = 0")
     p.add_argument("--kv-cache-gib", type=int, default=DEFAULT_KV_CACHE_GIB, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--status-file", type=Path, default=None, help="the scheduler appends JSON status lines here")
+    p.add_argument("--trace-file", type=Path, default=None,
+                   help="the scheduler appends one JSON line per step here: where the step's wall time went "
+                        "(loop gap, schedule, forward, update), its rows, prompt tokens, k and tokens (diagnosis)")
     p.add_argument("--vllm-python", type=Path, default=None,
                    help=f"Python of vLLM's environment (default {DEFAULT_VLLM_VENV}/bin/python, built by make vllm)")
     return ap
@@ -74,7 +77,7 @@ def config_from_argv(argv: Sequence[str], redis_default: str, vllm_python: str |
     common: dict[str, Any] = dict(
         profile=args.profile, models_dir=args.models_dir, prefix=args.prefix, engine_id=args.engine_id,
         host=args.host, port=args.port, kv_cache_gib=args.kv_cache_gib, draft_sync=args.draft_sync, vllm_python=py,
-        status_path=args.status_file, extra_args=parse_extra(extra))
+        status_path=args.status_file, trace_path=args.trace_file, extra_args=parse_extra(extra))
     if spec is None:
         return VllmServeConfig(
             k_max=args.k_max, redis_url=None if args.no_telemetry else args.redis_url, default_k=args.default_k,

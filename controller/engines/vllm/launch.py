@@ -6,8 +6,9 @@ own version up (``PackageNotFoundError: vllm``). Here the lookup of ``vllm`` ans
 the form vLLM's platform detection expects (a bare version fails with "Failed to infer device type"). The repair
 sits at module level because vLLM spawns its engine and worker processes, which re-import this module; the call
 sits under ``__main__`` for the same reason. The same holds for the repair of vLLM's CPU rejection sampler
-(:mod:`controller.engines.vllm.cpu_repair`), installed here before vLLM registers its CPU kernels, and for the
-draft's lazy KV sync (:mod:`controller.engines.vllm.draft_sync`, when ``SPECTUNE_DRAFT_SYNC=lazy``).
+(:mod:`controller.engines.vllm.cpu_repair`), installed here before vLLM registers its CPU kernels, for the
+draft's lazy KV sync (:mod:`controller.engines.vllm.draft_sync`, when ``SPECTUNE_DRAFT_SYNC=lazy``) and for the
+timer of the draft's proposals (:mod:`controller.engines.vllm.draft_timing`).
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ _metadata.version = _vllm_version
 _metadata.metadata = _vllm_metadata  # type: ignore[assignment]
 
 if __name__ in ("__main__", "__mp_main__"):  # vLLM's processes; importing this module elsewhere changes nothing
-    from controller.engines.vllm import cpu_repair, draft_sync
+    from controller.engines.vllm import cpu_repair, draft_sync, draft_timing
 
     cpu_repair.apply()
     draft_sync.apply()  # when SPECTUNE_DRAFT_SYNC=lazy
+    draft_timing.apply()  # the draft's proposal seconds travel with each step's output
 
 
 def main(argv: list[str]) -> int:

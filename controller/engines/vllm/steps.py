@@ -23,9 +23,14 @@ ones. Each decoding row becomes a :class:`~telemetry.records.RowRecord`: ``k`` =
 step, ``accepted`` = sampled tokens - 1, ``emitted`` = tokens actually appended (fewer when it stopped
 mid-draft). Rows still prefilling are not rows of the round. Times, from the scheduler's side of the step:
 
-- ``verify_s``: from the end of ``schedule()`` to the start of ``update_from_output()``: the worker's whole
-  forward, which in vLLM is the target's verification *and* the draft proposals for the next step (one call, so
-  the two are not separable from the scheduler; ``draft_s`` is 0 and cost models see their sum);
+- ``verify_s``: from the end of ``schedule()`` to the start of ``update_from_output()`` is the worker's whole
+  call, which in vLLM is the target's verification *and* the draft's proposal for the next step. The worker times
+  the proposal (:mod:`controller.engines.vllm.draft_timing`) and sends its seconds with the step's output, so
+  ``verify_s`` is the call less this step's proposal (and less the prompt's part, below);
+- ``draft_s``: the proposal of the step *before*, which made the drafts this round verifies. Charged to the step
+  that ran it, a proposal of k = 5 after a verification of k = 3 would be timed as a k = 3 round, so under a policy
+  that changes k every few steps each k would pay its neighbours' drafting and deep k would look cheap. Without
+  the timer (another vLLM) ``draft_s`` is 0 and ``verify_s`` the whole call, as before;
 - ``prefill_s``: the part of that forward spent on prompt tokens. It is the *marginal* prompt cost: the slope
   of seconds over prompt tokens, learned online by :class:`PrefillCost` (from prefill-only steps or, under
   constant load, from mixed steps' excess over decode-only ones), times this step's prompt tokens, capped at
@@ -59,6 +64,7 @@ ADDITIONAL_CONFIG_KEY = "spectune"  # vLLM's --additional-config {"spectune": {.
 TYPE_ARG = "request_type"  # SamplingParams.extra_args key; the OpenAI API sends it as "vllm_xargs"
 MAX_REQUEST_TYPES = 64  # distinct request types one engine reports; clients choose them, so past this they fold
 STATUS_EVERY_S = 5.0  # seconds between status lines
+TRACE_FLUSH_STEPS = 256  # a step trace is written in blocks of this many lines, with each status line and at close
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,9 @@ class VllmSpectuneConfig:
     max_request_types: int = MAX_REQUEST_TYPES
     status_path: str | None = None  # append a JSON status line here every status_every_s (None: log only)
     status_every_s: float = STATUS_EVERY_S
+    # append one JSON line per step here (None: no trace): where a step's wall time went (the engine loop's gap
+    # before it, schedule, forward, update), its rows, prompt tokens, k and tokens; for diagnosis, not for the policy
+    trace_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("target_version", "draft_version", "engine_id"):
@@ -176,11 +185,14 @@ class BridgeCounters:
     added_s: float = 0.0  # seconds spent in spectune's code inside schedule() and update_from_output()
     step_s: float = 0.0  # seconds of whole steps (schedule start to update end)
     model_s: float = 0.0  # seconds of the worker's forwards
+    draft_timed_steps: int = 0  # steps whose output carried the draft's proposal seconds (draft_timing)
+    propose_s: float = 0.0  # seconds of those proposals (a part of model_s)
     bad_request_types: int = 0  # request types refused by the label rule (reported as "*")
     folded_request_types: int = 0  # rows whose new type came past max_request_types (reported as "*")
     last_bad_request_type: str | None = None
     last_status_error: str | None = None
     step_errors: int = 0  # steps where spectune's own code failed (vLLM carried on at the fail-static k)
+    trace_errors: int = 0  # trace blocks that could not be written (the lines are dropped, the steps are not)
     last_step_error: str | None = None
     k_counts: dict[int, int] | None = None  # steps per chosen k
 
@@ -299,8 +311,11 @@ class VllmStepBridge:
         self.counters = BridgeCounters(k_counts={})
         self.prefill_cost = PrefillCost()
         self._round_index = 0
+        self._last_propose_s: float | None = None  # the previous step's draft proposal (made this step's drafts)
         self._report = report
         self._stop = threading.Event()
+        self._trace: list[str] = []
+        self._trace_lock = threading.Lock()  # close() flushes from another thread than the steps'
         self._thread: threading.Thread | None = None
         if start and (config.status_path or report is not None):  # reports while idle too, off the step path
             self._thread = threading.Thread(target=self._status_loop, name="spectune-vllm-status", daemon=True)
@@ -356,18 +371,28 @@ class VllmStepBridge:
     # ------------------------------------------------------------------------------------------ record
     def round_record(self, rows: Sequence[tuple[RowAtSchedule, RowOutcome | None]], *, schedule_s: float,
                      model_s: float, update_s: float, prefill_tokens: int, total_tokens: int,
-                     timestamp: float) -> RoundRecord | None:
+                     timestamp: float, propose_s: float | None = None) -> RoundRecord | None:
         """The step as a round (None when no row was decoding: a prefill-only step).
 
         Args:
             rows: each scheduled request with its outcome (None when it sampled nothing).
             schedule_s, model_s, update_s: the step's parts, in seconds (see the module docstring).
             prefill_tokens, total_tokens: prompt tokens and all tokens the step scheduled.
+            propose_s: the part of ``model_s`` the drafter spent proposing the next step's drafts
+                (:mod:`controller.engines.vllm.draft_timing`); None when not measured.
         """
         c = self.counters
         c.steps += 1
         c.model_s += model_s
         c.step_s += schedule_s + model_s + update_s
+        # The drafts verified now were proposed in the step before: that proposal is this round's draft time, and
+        # this step's own proposal (for the next round) leaves its verification time (module docstring).
+        made_drafts, self._last_propose_s = self._last_propose_s, propose_s
+        if propose_s is not None:
+            c.draft_timed_steps += 1
+            c.propose_s += propose_s
+            model_s = max(0.0, model_s - propose_s)
+        draft_s = made_drafts if made_drafts is not None and propose_s is not None else 0.0
         out: list[RowRecord] = []
         for at, res in rows:
             if not at.decoding:
@@ -390,7 +415,7 @@ class VllmStepBridge:
         c.rounds += 1
         return RoundRecord(
             round_index=self._round_index, batch_size=len(out), max_k=max_k,
-            tokens_verified=sum(r.k + 1 for r in out), draft_s=0.0, verify_s=model_s - prefill_s,
+            tokens_verified=sum(r.k + 1 for r in out), draft_s=draft_s, verify_s=model_s - prefill_s,
             other_s=schedule_s + update_s, prefill_s=prefill_s,
             target_version=self.config.target_version, draft_version=self.config.draft_version,
             rows=tuple(out), timestamp=timestamp,
@@ -405,6 +430,27 @@ class VllmStepBridge:
         if self.hooks is not None:
             self.hooks.record(round_)
 
+    def trace(self, step: Mapping[str, Any]) -> None:
+        """One step's line for ``trace_path`` (nothing without one), written in blocks of ``TRACE_FLUSH_STEPS``."""
+        if self.config.trace_path is None:
+            return
+        line = json.dumps(step, separators=(",", ":"))
+        with self._trace_lock:
+            self._trace.append(line)
+            if len(self._trace) >= TRACE_FLUSH_STEPS:
+                self._flush_trace()
+
+    def _flush_trace(self) -> None:
+        lines, self._trace = self._trace, []
+        if not lines or self.config.trace_path is None:
+            return
+        try:
+            with Path(self.config.trace_path).open("a") as f:
+                f.write("\n".join(lines) + "\n")
+        except OSError as e:  # a full disk must not stop the engine: counted, shown in the status
+            self.counters.trace_errors += 1
+            self.counters.last_step_error = f"trace: {type(e).__name__}: {e}"[:300]
+
     # ------------------------------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
         """Counters, the policy client's state and the overhead share, JSON-safe."""
@@ -414,14 +460,15 @@ class VllmStepBridge:
         return {
             "t": time.time(), "engine_id": self.config.engine_id, "steps": c.steps, "rounds": c.rounds,
             "k_counts": {str(k): n for k, n in sorted(dict(c.k_counts or {}).items())},  # copied: steps add keys
-            "added_s": c.added_s, "step_s": c.step_s, "model_s": c.model_s,
+            "added_s": c.added_s, "step_s": c.step_s, "model_s": c.model_s, "propose_s": c.propose_s,
+            "draft_timed_steps": c.draft_timed_steps,
             "overhead_share": c.added_s / c.step_s if c.step_s > 0 else 0.0,
             "prefill_only_steps": self.prefill_cost.prefill_only.samples,
             "mixed_steps_fitted": self.prefill_cost.mixed.samples, "prefill_s_per_token": self.prefill_cost.per_token(),
             "rows_skipped": c.rows_skipped, "bad_request_types": c.bad_request_types,
             "folded_request_types": c.folded_request_types, "last_bad_request_type": c.last_bad_request_type,
             "request_types": sorted(set(self._types)), "last_status_error": c.last_status_error,
-            "step_errors": c.step_errors, "last_step_error": c.last_step_error,
+            "step_errors": c.step_errors, "last_step_error": c.last_step_error, "trace_errors": c.trace_errors,
             "policy": {"mode": st.mode, "version": st.version, "fail_static": st.fail_static,
                        "rejected": st.rejected, "detail": st.detail, "last_error": st.last_error},
             "emitter": None if em is None else {"rounds_recorded": em.rounds_recorded,
@@ -435,6 +482,8 @@ class VllmStepBridge:
         reported = -1
         while not self._stop.wait(self.config.status_every_s):
             try:
+                with self._trace_lock:  # a slow engine's trace reaches the file at least this often
+                    self._flush_trace()
                 st = self.write_status()
                 if self._report is not None and st["steps"] != reported:  # an idle engine logs nothing new
                     reported = st["steps"]
@@ -455,6 +504,8 @@ class VllmStepBridge:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
+        with self._trace_lock:
+            self._flush_trace()
         if self.hooks is not None:
             self.hooks.close()
         else:
