@@ -86,7 +86,8 @@ class VllmSpectuneConfig:
     status_path: str | None = None  # append a JSON status line here every status_every_s (None: log only)
     status_every_s: float = STATUS_EVERY_S
     # append one JSON line per step here (None: no trace): where a step's wall time went (the engine loop's gap
-    # before it, schedule, forward, update), its rows, prompt tokens, k and tokens; for diagnosis, not for the policy
+    # before it, schedule, forward and the draft's proposal in it, update), its rows, prompt tokens, k and tokens;
+    # for diagnosis, not for the policy
     trace_path: str | None = None
 
     def __post_init__(self) -> None:
