@@ -222,6 +222,15 @@ class GoodputPolicy(Policy):
             again costs little (vLLM under spectune's lazy draft sync: the catch-up is one batched pass of a small
             draft). False (the default) keeps k = 0 to the mean and the one cost probe, as the reference engine's
             catch-up costs a window.
+        cost_speed_memory: the cost model's machine-speed normalisation (:class:`~policies._cost.CostModel`,
+            ``speed_memory``): windows voting on the machine's current slowness; 0 learns raw seconds. vLLM's
+            sidecar sets 0. The slowness is each window's seconds over a prediction built from windows already
+            divided by earlier slowness estimates, so it has no anchor and walks. Replayed in order into this
+            policy, the telemetry of ``bench vllm`` at 35545ee (2,429 cost windows) left batch 16 <=2048 predicted at
+            42 ms a step at k = 3 and 34 ms at k = 5, against 215 and 242 ms measured there in 249 and 205 windows
+            (the final slowness was 1.1-1.4; the windows' divisors had wandered), and batch 8 <=512 predicted
+            cheaper at every deeper k. With raw seconds the same replay predicts 213 and 241 ms. The reference
+            engine keeps 3 until it is re-measured without it.
     """
 
     name = "goodput"
@@ -234,7 +243,8 @@ class GoodputPolicy(Policy):
                  explore_radius: int = 2, packed: bool = True, reopen_rows: float = 10.0,
                  one_k_per_batch: bool = False, level_strength: float = 10.0, mix_rows: float = 1000.0,
                  explore_margin: float = 0.05, noise_z: float = 1.0, explore_doublings: int = 3,
-                 cost_draws: bool = True, batch_cap: bool = False, explore_off: bool = False) -> None:
+                 cost_draws: bool = True, batch_cap: bool = False, explore_off: bool = False,
+                 cost_speed_memory: int = 3) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
@@ -254,7 +264,8 @@ class GoodputPolicy(Policy):
         self.batch_cap, self.explore_off = batch_cap, explore_off
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay, level_strength, mix_rows)
-        self._cost = CostModel(k_max, cost_prior_windows, refit_every, draw_measured=cost_draws)
+        self._cost = CostModel(k_max, cost_prior_windows, refit_every, draw_measured=cost_draws,
+                               speed_memory=cost_speed_memory)
         # What each cost cell's rounds emitted: corrects the acceptance model for the rows that share the cell's
         # rounds (a round is costed, and decided, at its longest row's context; see policies/_emitted.py).
         self._emitted = EmittedCalibration(cost_prior_windows, acceptance_decay)

@@ -38,7 +38,10 @@ MAX_PORT = 65535
 # speculation off needs 3% (the policy's default 10% pays for the reference engine's catch-up, a window at reduced
 # speed; vLLM's lazy sync catches the draft up on the tokens it missed in one batched pass of the small draft), on
 # top of one standard error of the measured difference (noise_z) and with hold_decisions after the switch.
-VLLM_POLICY: dict[str, Any] = {"one_k_per_batch": True, "batch_cap": True, "explore_off": True, "off_margin": 0.03}
+# cost_speed_memory 0: the cost model learns raw seconds; its speed normalisation walked on vLLM's telemetry (see
+# GoodputPolicy's docstring).
+VLLM_POLICY: dict[str, Any] = {"one_k_per_batch": True, "batch_cap": True, "explore_off": True, "off_margin": 0.03,
+                               "cost_speed_memory": 0}
 
 
 def _stream_sink(s: SidecarSettings, _metrics: SidecarMetrics) -> AlertSink:

@@ -76,7 +76,8 @@ def test_redis_sidecar_with_lease_alerts_and_endpoint(redis_url: str, redis_pref
 
 def test_one_k_per_batch_caps_a_larger_batch_by_a_smaller_ones_k(sqlite_url: str) -> None:
     # vLLM runs one k per step: its sidecar's policy never drafts a larger batch deeper than a settled smaller one,
-    # and it turns the draft off and on cheaply: k = 0 is re-checked where thinly measured, off needs a 3% margin.
+    # and it turns the draft off and on cheaply: k = 0 is re-checked where thinly measured, off needs a 3% margin;
+    # its cost model learns raw seconds (GoodputPolicy's cost_speed_memory says why).
     for one_k, cap in ((True, True), (False, False)):
         settings = SidecarSettings(db_url=sqlite_url, auto_upgrade=True, sidecar=FAST, one_k_per_batch=one_k)
         with build_sidecar(settings, transport=InProcessTransport(), publisher=CallbackPublisher(print)) as service:
@@ -84,3 +85,4 @@ def test_one_k_per_batch_caps_a_larger_batch_by_a_smaller_ones_k(sqlite_url: str
             assert isinstance(policy, GoodputPolicy)
             assert policy.one_k_per_batch is one_k and policy.batch_cap is cap
             assert policy.explore_off is one_k and policy.off_margin == (0.03 if one_k else 0.10)
+            assert policy._cost.speed_memory == (0 if one_k else 3)  # vLLM's sidecar learns raw seconds

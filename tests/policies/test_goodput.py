@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import replace
 from typing import Any
 
@@ -761,3 +763,34 @@ def test_a_thinly_measured_off_is_rechecked_until_measured() -> None:
     assert at[0] == 3 and at[2] - at[1] > at[1] - at[0] > 4  # after probe_every decisions on, then waits doubling
     assert n0 > 1.5  # each re-check added a window of evidence
     assert g0_rechecked > g0 * 1.02  # k = 0's estimate moved toward what it costs (200 tokens/s)
+
+
+def _walk(speed_memory: int, seed: int) -> tuple[float, np.ndarray]:
+    """2,000 windows of one true cost per k (k = 2 and 4 in alternating runs of 20) with log-normal noise of 0.25,
+    the spread of vLLM's windows beside prompt steps: the worst factor by which the predictions strayed from the
+    truth (checked every 100 windows), and the final predictions over the truth."""
+    rng = np.random.default_rng(seed)
+    cm = CostModel(k_max=5, speed_memory=speed_memory)
+    truth = {2: 0.14, 4: 0.18}
+    worst = 0.0
+    for i in range(2000):
+        k = (2, 4)[(i // 20) % 2]
+        secs = truth[k] * float(np.exp(0.25 * rng.standard_normal()))
+        cm.observe(16, "short", k, 10, 160, 0.0, 10 * secs, 0.0)
+        if i % 100 == 99:
+            p = cm.predict(16, "short", 16.0).sum(axis=1)
+            worst = max(worst, *(abs(math.log(p[kk] / truth[kk])) for kk in truth))
+    p = cm.predict(16, "short", 16.0).sum(axis=1)
+    return math.exp(worst), np.array([p[2] / truth[2], p[4] / truth[4]])
+
+
+def test_raw_seconds_stay_on_the_truth_where_the_speed_normalisation_walks() -> None:
+    """The speed normalisation divides each window by a slowness measured against predictions built from windows
+    already divided: nothing anchors it, so under noisy windows it walks. vLLM's sidecar learns raw seconds."""
+    normalised = [_walk(3, seed) for seed in range(4)]
+    raw = [_walk(0, seed) for seed in range(4)]
+    for _, final in raw:
+        assert final == pytest.approx([1.0, 1.0], rel=0.06)
+        assert final[1] / final[0] == pytest.approx(1.0, rel=0.03)  # the ks' ratio, what a decision reads
+    assert statistics.median(w for w, _ in normalised) > 1.15 > max(w for w, _ in raw)
+    assert GoodputPolicy(k_max=5, cost_speed_memory=0)._cost.speed_memory == 0
