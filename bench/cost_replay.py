@@ -46,12 +46,11 @@ def table(policy: GoodputPolicy, cost: Sequence[CostWindow], k_max: int) -> list
     for bb, ctx in sorted({(b, c) for b, c, _ in measured}, key=lambda x: (x[0], x[1])):
         b = cm.mean_batch(bb, ctx)
         pred = cm.predict(bb, ctx, b, None).sum(axis=1)
+        here = {k: measured[(bb, ctx, k)] for k in range(k_max + 1) if measured.get((bb, ctx, k), [0.0])[0] > 0}
         out.append({"batch_bucket": bb, "context": ctx, "mean_batch": b,
                     "predicted_ms": [1e3 * float(s) for s in pred],
-                    "measured_ms": {k: 1e3 * measured[(bb, ctx, k)][1] / measured[(bb, ctx, k)][0]
-                                    for k in range(k_max + 1) if measured.get((bb, ctx, k), [0.0])[0] > 0},
-                    "rounds": {k: int(measured[(bb, ctx, k)][0]) for k in range(k_max + 1)
-                               if (bb, ctx, k) in measured}})
+                    "measured_ms": {k: 1e3 * secs / rounds for k, (rounds, secs) in here.items()},
+                    "rounds": {k: int(rounds) for k, (rounds, _) in here.items()}})
     return out
 
 
