@@ -36,7 +36,10 @@ measured range (:meth:`CostModel.extrapolating`) rather than trust the guess.
 A cell's own measurements then correct the shared fit: each cell has a scale factor (its observed seconds over
 the model's, shrunk toward 1 with ``prior_windows``); a cell measured at three k > 0 (or two, 3 apart)
 corrects the shared slope in k with its own (a residual linear in k); and a k the cell was measured at is
-predicted from its measurement (shrunk toward the corrected model the same way).
+predicted from its measurement (shrunk toward the corrected model the same way). Each k's measurement is first
+moved from the mean batch it ran at to the batch asked about, along the shared fit: the batch moves within its
+bucket and the ks served are not served at random moments, so on ``bench vllm`` batch bucket 16 ran k = 3 at
+14.8 rows and k = 4 at 13.6, and k = 4 looked cheaper for the rows it did not have.
 The machine's speed moves (another tenant steals a core): a window measured in a slow spell must not make its k
 look dear next to ks measured in a quiet one. Every window of a (cell, k) already measured over
 ``ESTABLISHED_WINDOWS`` windows is compared with what the model predicts for it; the median of the last
@@ -336,6 +339,12 @@ class CostModel:
             marg = self._marginal(c)
             per_round = {kk: v.per_round() + marg * max(0.0, (v.batch_rows * kk - v.drafted) / v.rounds)
                          for kk, v in obs.items()}
+            # Each k was measured at its own mean batch (the batch moves within its bucket, and which k was served
+            # when is not random): moved to the batch asked about along the shared fit, so a k measured while the
+            # batch was smaller does not look cheaper for it (see the module docstring).
+            for kk, v in obs.items():
+                at = self._model(max(v.batch_rows / v.rounds, 1.0), c, np.array([float(kk)]))[0].sum()
+                per_round[kk] = per_round[kk] * (float(y[kk].sum()) / at if at > 0 else 1.0)
             seen = sum(n_w[kk] * float(per_round[kk].sum()) for kk in obs)
             expect = sum(n_w[kk] * float(y[kk].sum()) for kk in obs)
             mean_pred = expect / sum(n_w.values())

@@ -216,6 +216,33 @@ def test_cost_model_slow_spell_does_not_make_its_k_dear() -> None:
     assert ratio["raw"] > 1.2 * quiet  # what the robust estimate prevents
 
 
+def test_a_k_measured_at_a_smaller_batch_is_not_cheaper_for_it() -> None:
+    """Within one batch bucket the batch moves: k = 4 served while 12 rows ran, k = 3 while 16 did.
+
+    A round costs the same at either k per row here, so at the cell's batch k = 4 must come out dearer than k = 3
+    (it drafts more), not cheaper because it happened to run beside fewer rows (``bench vllm`` at 35545ee: batch
+    bucket 16, k = 3 at 14.8 rows, k = 4 at 13.6).
+    """
+
+    def secs(b: float, k: int) -> float:  # the truth: fixed + per row verified token
+        return 0.02 + 0.001 * b * (k + 1)
+
+    cm = CostModel(k_max=5, speed_memory=0)
+    for bb, b in ((1, 1), (4, 4), (16, 16)):  # the shared fit sees the batch slope at k = 0 and 3
+        for k in (0, 3):
+            cm.observe(bb, "short", k, 10, 10 * b, 0.0, 10 * secs(b, k), 0.0)
+    for b, k in ((16, 3), (12, 4)) * 10:
+        cm.observe(16, "short", k, 10, 10 * b, 0.0, 10 * secs(b, k), 0.0)
+    cm.refit()
+    at = cm.mean_batch(16, "short")
+    pred = cm.predict(16, "short", at).sum(axis=1)
+    assert pred[4] > pred[3]
+    for k in (3, 4):
+        assert pred[k] == pytest.approx(secs(at, k), rel=0.03)
+    # A batch asked about moves every measured k with it.
+    assert cm.predict(16, "short", 16.0)[4].sum() == pytest.approx(secs(16, 4), rel=0.03)
+
+
 def test_a_cell_that_grows_past_the_joint_grid_keeps_deciding() -> None:
     # Three types learn per-type incumbents (e.g. 6, 0, 6); three more arrive while the cell is quiet. With six
     # types the joint grid is one shared k per row, so the mixed incumbent is no row of it: deciding raised
