@@ -445,7 +445,8 @@ def scheduler_overhead(status_path: Path) -> dict[str, Any] | None:
         return None
     st = lines[-1]
     return {"overhead_share_of_step": st["overhead_share"], "added_s": st["added_s"], "step_s": st["step_s"],
-            "steps": st["steps"], "rounds": st["rounds"], "steps_by_k": st["k_counts"],
+            "steps": st["steps"], "rounds": st["rounds"], "uncosted_rounds": st.get("uncosted_rounds"),
+            "steps_by_k": st["k_counts"],
             "policy": st["policy"]["detail"], "prefill_s_per_token": st.get("prefill_s_per_token"),
             "prefill_only_steps": st.get("prefill_only_steps"), "mixed_steps_fitted": st.get("mixed_steps_fitted")}
 

@@ -135,6 +135,8 @@ def aggregate(rounds: Iterable[RoundRecord], buckets: BucketConfig = DEFAULT_BUC
                 max_ctx = ctx
             if e:
                 lat.append(wall / e)
+        if not r.costed:  # its rows count above; its seconds are not a measurement of its k (RoundRecord.costed)
+            continue
         cb = ctx_labels[bisect_left(ctx_edges, max_ctx)]
         ckey = (tv, dv, buckets.batch_bucket(r.batch_size), cb, r.max_k)
         c = cost.get(ckey)

@@ -156,6 +156,11 @@ class RoundRecord:
     # once whatever k is, so it is kept apart: cost windows and the policies see draft/verify/other only (a round
     # that happened to admit a few prompts would otherwise make its k look dear), latency and wall_s include it.
     prefill_s: float = 0.0
+    # False: the round's rows count (acceptance, drift) but its seconds teach no cost: cost windows leave the round
+    # out, its latencies with it. For an engine that runs prompt tokens and decoding rows in one forward and can
+    # only estimate the prompt's part (vLLM's mixed steps): on ``bench vllm`` that estimate took 40-80% too much
+    # out of such steps, so whichever k ran during a burst of new prompts looked cheap.
+    costed: bool = True
 
     @property
     def wall_s(self) -> float:

@@ -275,6 +275,7 @@ else:
         "draft_s": Seconds, "verify_s": Seconds, "other_s": Seconds, "rows": tuple[_Row, ...],
         "timestamp": Seconds,
         "prefill_s": Seconds,  # absent from engines that predate it: the record's default, 0.0
+        "costed": bool,  # likewise: True
     })
     _Batch = _wire_struct("_Batch", WindowBatch, {
         "seq": Count, "window_start": Seconds, "window_end": Seconds,
@@ -374,7 +375,7 @@ def _round(r: _Round) -> RoundRecord:
         "round_index": r.round_index, "batch_size": r.batch_size, "max_k": r.max_k,
         "tokens_verified": r.tokens_verified, "draft_s": r.draft_s, "verify_s": r.verify_s, "other_s": r.other_s,
         "target_version": r.target_version, "draft_version": r.draft_version, "rows": rows,
-        "timestamp": r.timestamp, "prefill_s": r.prefill_s,
+        "timestamp": r.timestamp, "prefill_s": r.prefill_s, "costed": r.costed,
     })
 
 

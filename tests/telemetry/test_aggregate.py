@@ -92,6 +92,19 @@ def test_prefill_counts_for_latency_but_not_for_the_cost_of_k(make_round) -> Non
     assert window_batch_from_dict(d).sampled_rounds[0].prefill_s == 0.0
 
 
+def test_an_uncosted_round_counts_for_acceptance_not_for_cost(make_round) -> None:
+    from dataclasses import replace
+
+    plain = make_round([("code", 10, 2, 1)], draft_s=0.002, verify_s=0.01, other_s=0.0005)
+    mixed = replace(make_round([("code", 10, 2, 2), ("prose", 20, 2, 0)], draft_s=0.002, verify_s=0.5,
+                               other_s=0.0005), costed=False)
+    agg = aggregate([plain, mixed])
+    assert agg.rounds == 2 and sum(a.rows for a in agg.acceptance) == 3
+    (c,) = agg.cost
+    assert (c.rounds, c.batch_rows) == (1, 1) and c.verify_s.total == pytest.approx(0.01)
+    assert aggregate([mixed]).cost == ()
+
+
 def test_a_round_claiming_more_tokens_verified_than_its_rows_can_is_rejected(make_round) -> None:
     from dataclasses import replace
 

@@ -51,7 +51,7 @@ GOLDEN_JSON = (
     b'"batch_size":2,"max_k":3,"tokens_verified":5,"draft_s":0.00125,"verify_s":0.004,"other_s":0.0005,'
     b'"target_version":"t-v1","draft_version":"d-v1","rows":[{"request_type":"code","context_len":130,"k":3,'
     b'"accepted":2,"emitted":3},{"request_type":"prose","context_len":4097,"k":0,"accepted":0,"emitted":1}],'
-    b'"timestamp":1700000000.25,"prefill_s":0.0375}],"dropped_before":3,"schema_version":1}'
+    b'"timestamp":1700000000.25,"prefill_s":0.0375,"costed":true}],"dropped_before":3,"schema_version":1}'
 )
 GOLDEN_MSGPACK = bytes.fromhex(
     "89a9656e67696e655f6964a8656e67696e652d37a3736571cf00000002dfdc1c35ac77696e646f775f7374617274cb41d954fc40000000aa"
@@ -67,12 +67,13 @@ GOLDEN_MSGPACK = bytes.fromhex(
     "f1a9fca573756d7371cb3f00c6f7a0b5ed8da36d6178cb3f70624dd2f1a9fca76f746865725f7384a5636f756e7402a5746f74616ccb3f50"
     "624dd2f1a9fca573756d7371cb3ea0c6f7a0b5ed8da36d6178cb3f40624dd2f1a9fcab6c6174656e63795f703530cb3f50624dd2f1a9fcab"
     "6c6174656e63795f703935cb3f647ae147ae147bab6c6174656e63795f703939cb3f689374bc6a7efaae73616d706c65645f726f756e6473"
-    "918cab726f756e645f696e64657829aa62617463685f73697a6502a56d61785f6b03af746f6b656e735f766572696669656405a764726166"
+    "918dab726f756e645f696e64657829aa62617463685f73697a6502a56d61785f6b03af746f6b656e735f766572696669656405a764726166"
     "745f73cb3f547ae147ae147ba87665726966795f73cb3f70624dd2f1a9fca76f746865725f73cb3f40624dd2f1a9fcae7461726765745f76"
     "657273696f6ea4742d7631ad64726166745f76657273696f6ea4642d7631a4726f77739285ac726571756573745f74797065a4636f6465ab"
     "636f6e746578745f6c656ecc82a16b03a8616363657074656402a7656d69747465640385ac726571756573745f74797065a570726f7365ab"
     "636f6e746578745f6c656ecd1001a16b00a8616363657074656400a7656d697474656401a974696d657374616d70cb41d954fc40100000a9"
-    "70726566696c6c5f73cb3fa3333333333333ae64726f707065645f6265666f726503ae736368656d615f76657273696f6e01"
+    "70726566696c6c5f73cb3fa3333333333333a6636f73746564c3ae64726f707065645f6265666f726503ae736368656d615f76657273696f"
+    "6e01"
 )
 
 
@@ -86,6 +87,15 @@ def test_a_round_without_prefill_reads_as_no_prefill() -> None:
     b = decode_batch(GOLDEN_JSON.replace(b',"prefill_s":0.0375', b""))
     old_round = dataclasses.replace(BATCH.sampled_rounds[0], prefill_s=0.0)
     assert b == dataclasses.replace(BATCH, sampled_rounds=(old_round,))
+
+
+def test_a_round_without_costed_reads_as_costed() -> None:
+    # Engines that predate RoundRecord.costed send every round's seconds as a measurement of its k.
+    b = decode_batch(GOLDEN_JSON.replace(b',"costed":true', b""))
+    assert b == BATCH and b.sampled_rounds[0].costed
+    uncosted = dataclasses.replace(BATCH.sampled_rounds[0], costed=False)
+    batch = dataclasses.replace(BATCH, sampled_rounds=(uncosted,))
+    assert decode_batch(encode_batch(batch)) == batch
 
 
 # (text in GOLDEN_JSON, what replaces it, reason, detail): the detail names the field by its path, in msgspec's words.

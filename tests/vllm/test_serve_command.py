@@ -23,6 +23,18 @@ def test_steered_serving_uses_spectunes_scheduler_and_the_profiles_draft() -> No
     assert spec_of(cmd) == {"method": "draft_model", "model": "/m/draft-v1", "num_speculative_tokens": 5}
 
 
+def test_the_cost_of_mixed_steps_setting_reaches_the_scheduler() -> None:
+    from controller.engines.vllm.cli import config_from_argv
+
+    def spectune_of(cmd: list[str]) -> dict[str, object]:
+        return json.loads(cmd[cmd.index("--additional-config") + 1])["spectune"]  # type: ignore[no-any-return]
+
+    for argv, want in ((["serve"], False), (["serve", "--cost-mixed-steps"], True)):
+        cfg = config_from_argv(argv, "redis://127.0.0.1:6379/0")
+        assert cfg.cost_mixed_steps is want
+        assert spectune_of(vllm_command(cfg, MODELS))["cost_mixed_steps"] is want
+
+
 def test_an_exported_table_goes_to_vllm_as_it_is_without_steering(tmp_path: Path) -> None:
     exported = {"num_speculative_tokens": 5, "num_speculative_tokens_per_batch_size": [[1, 2, 5], [3, 256, 0]]}
     f = tmp_path / "spec.json"

@@ -192,6 +192,26 @@ def test_prefill_only_steps_teach_the_bridge_what_a_prompt_token_costs_in_a_mixe
     assert b.status()["prefill_s_per_token"] == pytest.approx(2e-4)
 
 
+@pytest.mark.parametrize("cost_mixed_steps", [False, True])
+def test_only_decode_only_steps_teach_cost(cost_mixed_steps: bool) -> None:
+    # A step with prompt tokens keeps its rows (acceptance) but, by default, leaves the cost windows: its prompt
+    # part is an estimate that moved its k's seconds by 0.2-1.9x on bench vllm (module docstring).
+    from telemetry.aggregate import aggregate
+
+    b = bridge(cost_mixed_steps=cost_mixed_steps)
+    rows = [(RowAtSchedule("code", 100 + i, True, 5), RowOutcome(3, 4, 9)) for i in range(4)]
+    plain = b.round_record(rows, schedule_s=1e-4, model_s=0.060, update_s=1e-4, prefill_tokens=0,
+                           total_tokens=16, timestamp=1.0e9)
+    mixed = b.round_record([*rows, (RowAtSchedule("prose", 300, False, 0), RowOutcome(0, 1, 1))], schedule_s=1e-4,
+                           model_s=0.200, update_s=1e-4, prefill_tokens=300, total_tokens=316, timestamp=1.0e9)
+    assert plain is not None and mixed is not None
+    assert plain.costed and mixed.costed is cost_mixed_steps
+    assert b.status()["uncosted_rounds"] == (0 if cost_mixed_steps else 1)
+    agg = aggregate([plain, mixed])
+    assert sum(a.rows for a in agg.acceptance) == 8  # every decoding row of both steps
+    assert sum(c.rounds for c in agg.cost) == (2 if cost_mixed_steps else 1)
+
+
 def test_k_zero_rows_are_plain_decoding_rounds() -> None:
     b = bridge()
     r = b.round_record([(RowAtSchedule("code", 10, True, 1), RowOutcome(0, 1, 2))], schedule_s=1e-4,

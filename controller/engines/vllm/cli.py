@@ -60,6 +60,9 @@ def build_parser(redis_default: str) -> argparse.ArgumentParser:
     p.add_argument("--trace-file", type=Path, default=None,
                    help="the scheduler appends one JSON line per step here: where the step's wall time went "
                         "(loop gap, schedule, forward, update), its rows, prompt tokens, k and tokens (diagnosis)")
+    p.add_argument("--cost-mixed-steps", action="store_true",
+                   help="steps that run prompt tokens beside decoding rows teach the cost model too, their prompt "
+                        "part estimated (default: only decode-only steps do; every step counts for acceptance)")
     p.add_argument("--vllm-python", type=Path, default=None,
                    help=f"Python of vLLM's environment (default {DEFAULT_VLLM_VENV}/bin/python, built by make vllm)")
     return ap
@@ -77,7 +80,8 @@ def config_from_argv(argv: Sequence[str], redis_default: str, vllm_python: str |
     common: dict[str, Any] = dict(
         profile=args.profile, models_dir=args.models_dir, prefix=args.prefix, engine_id=args.engine_id,
         host=args.host, port=args.port, kv_cache_gib=args.kv_cache_gib, draft_sync=args.draft_sync, vllm_python=py,
-        status_path=args.status_file, trace_path=args.trace_file, extra_args=parse_extra(extra))
+        status_path=args.status_file, trace_path=args.trace_file, cost_mixed_steps=args.cost_mixed_steps,
+        extra_args=parse_extra(extra))
     if spec is None:
         return VllmServeConfig(
             k_max=args.k_max, redis_url=None if args.no_telemetry else args.redis_url, default_k=args.default_k,

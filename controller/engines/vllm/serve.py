@@ -78,6 +78,7 @@ class VllmServeConfig:
     status_path: Path | None = None  # the scheduler appends JSON status lines here
     status_every_s: float = 5.0
     trace_path: Path | None = None  # the scheduler appends one JSON line per step here (diagnosis)
+    cost_mixed_steps: bool = False  # steps with prompt tokens teach cost too (VllmSpectuneConfig.cost_mixed_steps)
     window_s: float = 0.25
     extra_args: tuple[str, ...] = field(default=())  # passed to vllm serve as they are, after ours
 
@@ -99,7 +100,8 @@ class VllmServeConfig:
             target_version=versions[0], draft_version=versions[1], k_max=self.k_max, engine_id=self.engine_id,
             redis_url=self.redis_url, prefix=self.prefix, default_k=self.default_k, fixed_k=self.fixed_k,
             window_s=self.window_s, status_path=str(self.status_path) if self.status_path else None,
-            status_every_s=self.status_every_s, trace_path=str(self.trace_path) if self.trace_path else None)
+            status_every_s=self.status_every_s, trace_path=str(self.trace_path) if self.trace_path else None,
+            cost_mixed_steps=self.cost_mixed_steps)
 
 
 @dataclass(frozen=True)

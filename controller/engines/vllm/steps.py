@@ -41,6 +41,16 @@ mid-draft). Rows still prefilling are not rows of the round. Times, from the sch
   belongs to the decoding rows, which pay it with or without the prompt;
 - ``other_s``: the scheduler's own work, ``schedule()`` plus ``update_from_output()``.
 
+**Only decode-only steps teach cost** (``RoundRecord.costed``; ``cost_mixed_steps`` restores the old way). The
+prompt's part of a mixed step is an estimate, and a poor one: in a trace of ``bench vllm``'s c4-c32 load (2-core
+Zen 3 VM, the twenty-second session) the steps with prompt tokens came out, after the split, at 0.2-1.9x the
+decode-only steps of the same rows bucket and k: too cheap beside a few hundred prompt tokens ((16 rows, k = 0):
+24.6 ms over 38 mixed steps against 41.2 ms over 890 decode-only; (4, 5): 34.6 against 59.2), too dear beside a
+2,000-token one ((4, 1): 73.9 against 39.2). Mixed steps come in bursts (a phase's new prompts), so they land on
+whichever k ran then, an incumbent or one exploration whose few windows they dominate. Their rows still count for
+acceptance; their seconds and per-token latencies leave the cost windows (no policy reads those latencies; the
+bench's client measures TPOT). Most steps are decode-only (95% of the steps with 9-32 decoding rows there).
+
 Nothing here imports vLLM or torch; :mod:`controller.engines.vllm.scheduler` feeds it plain values.
 """
 
@@ -89,6 +99,9 @@ class VllmSpectuneConfig:
     # before it, schedule, forward and the draft's proposal in it, update), its rows, prompt tokens, k and tokens;
     # for diagnosis, not for the policy
     trace_path: str | None = None
+    # a step that ran prompt tokens beside its decoding rows teaches the cost model too (its prompt part estimated,
+    # see the module docstring); False: only decode-only steps do, the others count for acceptance alone
+    cost_mixed_steps: bool = False
 
     def __post_init__(self) -> None:
         for name in ("target_version", "draft_version", "engine_id"):
@@ -181,6 +194,7 @@ class BridgeCounters:
 
     steps: int = 0  # steps that scheduled tokens
     rounds: int = 0  # steps recorded as rounds (with at least one decoding row)
+    uncosted_rounds: int = 0  # ... of which ran prompt tokens too: acceptance only (see cost_mixed_steps)
     k_set: int = 0  # steps whose k came from the table or fixed_k
     rows_skipped: int = 0  # decoding rows without sampled tokens (aborted mid-step)
     added_s: float = 0.0  # seconds spent in spectune's code inside schedule() and update_from_output()
@@ -414,12 +428,14 @@ class VllmStepBridge:
         prefill_s = self.prefill_cost.split(model_s, prefill_tokens, total_tokens)
         self._round_index += 1
         c.rounds += 1
+        costed = prefill_tokens <= 0 or self.config.cost_mixed_steps
+        c.uncosted_rounds += not costed
         return RoundRecord(
             round_index=self._round_index, batch_size=len(out), max_k=max_k,
             tokens_verified=sum(r.k + 1 for r in out), draft_s=draft_s, verify_s=model_s - prefill_s,
             other_s=schedule_s + update_s, prefill_s=prefill_s,
             target_version=self.config.target_version, draft_version=self.config.draft_version,
-            rows=tuple(out), timestamp=timestamp,
+            rows=tuple(out), timestamp=timestamp, costed=costed,
         )
 
     def step_failed(self, where: str, error: BaseException) -> None:
@@ -460,6 +476,7 @@ class VllmStepBridge:
         em = self.hooks.emitter.stats() if self.hooks is not None and self.hooks.emitter is not None else None
         return {
             "t": time.time(), "engine_id": self.config.engine_id, "steps": c.steps, "rounds": c.rounds,
+            "uncosted_rounds": c.uncosted_rounds,
             "k_counts": {str(k): n for k, n in sorted(dict(c.k_counts or {}).items())},  # copied: steps add keys
             "added_s": c.added_s, "step_s": c.step_s, "model_s": c.model_s, "propose_s": c.propose_s,
             "draft_timed_steps": c.draft_timed_steps,
