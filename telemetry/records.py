@@ -158,8 +158,8 @@ class RoundRecord:
     prefill_s: float = 0.0
     # False: the round's rows count (acceptance, drift) but its seconds teach no cost: cost windows leave the round
     # out, its latencies with it. For an engine that runs prompt tokens and decoding rows in one forward and can
-    # only estimate the prompt's part (vLLM's mixed steps): on ``bench vllm`` that estimate took 40-80% too much
-    # out of such steps, so whichever k ran during a burst of new prompts looked cheap.
+    # only estimate the prompt's part (vLLM's mixed steps): on ``bench vllm`` such steps came out at 0.2-1.9x the
+    # decode-only steps of the same rows and k, so whichever k ran during a burst of new prompts was mis-costed.
     costed: bool = True
 
     @property
