@@ -21,17 +21,22 @@ from telemetry.records import AcceptanceWindow, CostWindow
 from telemetry.store import Store
 
 
-def replay(store_url: str, k_max: int, speed_memory: int) -> tuple[GoodputPolicy, list[CostWindow]]:
-    """A fresh vLLM goodput policy fed every stored window in the order they closed, and the cost windows."""
+def load(store_url: str) -> list[AcceptanceWindow | CostWindow]:
+    """Every stored window, in the order they closed."""
     with Store(store_url) as st:
         acc, cost = st.recent_windows(10**9)
     windows: list[tuple[float, AcceptanceWindow | CostWindow]] = [(w.window_end, w.window) for w in acc]
     windows += [(w.window_end, w.window) for w in cost]
     windows.sort(key=lambda x: x[0])
+    return [w for _, w in windows]
+
+
+def replay(windows: Sequence[AcceptanceWindow | CostWindow], k_max: int, speed_memory: int) -> GoodputPolicy:
+    """A fresh vLLM goodput policy fed ``windows`` in order."""
     policy = GoodputPolicy(k_max=k_max, seed=0, **(dict(VLLM_POLICY) | {"cost_speed_memory": speed_memory}))
-    for _, w in windows:
+    for w in windows:
         policy.observe(w)
-    return policy, [w.window for w in cost]
+    return policy
 
 
 def table(policy: GoodputPolicy, cost: Sequence[CostWindow], k_max: int) -> list[dict[str, Any]]:
@@ -60,8 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--k-max", type=int, default=5)
     ap.add_argument("--speed-memory", type=int, nargs="+", default=[3, 0])
     a = ap.parse_args(argv)
+    windows = load(a.store_url)  # read once, replayed once per setting
+    cost = [w for w in windows if isinstance(w, CostWindow)]
     for sm in a.speed_memory:
-        policy, cost = replay(a.store_url, a.k_max, sm)
+        policy = replay(windows, a.k_max, sm)
         print(f"speed_memory={sm}: {len(cost)} cost windows; predicted ms per step by k | measured ms (rounds)")
         for row in table(policy, cost, a.k_max):
             meas = " ".join(f"{k}:{v:.0f}({row['rounds'][k]})" for k, v in row["measured_ms"].items())

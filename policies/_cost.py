@@ -342,9 +342,12 @@ class CostModel:
             # Each k was measured at its own mean batch (the batch moves within its bucket, and which k was served
             # when is not random): moved to the batch asked about along the shared fit, so a k measured while the
             # batch was smaller does not look cheaper for it (see the module docstring).
-            for kk, v in obs.items():
-                at = self._model(max(v.batch_rows / v.rounds, 1.0), c, np.array([float(kk)]))[0].sum()
-                per_round[kk] = per_round[kk] * (float(y[kk].sum()) / at if at > 0 else 1.0)
+            km = np.array(sorted(obs), dtype=float)  # [M] the measured ks
+            bm = np.array([max(obs[int(kk)].batch_rows / obs[int(kk)].rounds, 1.0) for kk in km])  # [M] their batches
+            at = sum(x @ cf for x, cf in zip(_features(bm, np.full_like(bm, c), km, bm * km), self._coef,
+                                                   strict=True))  # [M] the shared fit at each k's own batch
+            for kk, a in zip(km.astype(int), at, strict=True):
+                per_round[kk] = per_round[kk] * (float(y[kk].sum()) / a if a > 0 else 1.0)
             seen = sum(n_w[kk] * float(per_round[kk].sum()) for kk in obs)
             expect = sum(n_w[kk] * float(y[kk].sum()) for kk in obs)
             mean_pred = expect / sum(n_w.values())
