@@ -192,6 +192,53 @@ def solo_goodput(emitted: np.ndarray, mix: np.ndarray, round_s: np.ndarray,
     return combos, 1.0 / inv
 
 
+def slowest_type_seconds_per_token(combos: np.ndarray, emitted: np.ndarray, round_s: np.ndarray,
+                                   present: np.ndarray, solo: bool = False) -> np.ndarray:
+    """Seconds per emitted token of the slowest request type under each joint choice of k.
+
+    A request's time per output token (TPOT) is the seconds of the rounds it shares over the tokens it emits in
+    them, so the requests that accept least set the tail: they pay a round's seconds and keep few of its drafts.
+    A round runs its largest k for every row (``solo``: rounds of one row, each type at its own k).
+
+    Args:
+        combos: ``[C, T]`` joint choices of k, one column per type.
+        emitted: ``[T, K + 1]`` expected emitted tokens per row for each type and k.
+        round_s: ``[K + 1]`` expected seconds of a round at each k.
+        present: ``[T]`` bool, the types whose requests count; every type when none does.
+
+    Returns:
+        ``[C]`` the largest over the present types of ``round_s[k_round] / emitted[t, k_t]``.
+    """
+    n_types = emitted.shape[0]
+    round_k = combos if solo else np.repeat(combos.max(axis=1, keepdims=True), n_types, axis=1)  # [C, T]
+    per_token = np.asarray(round_s, dtype=float)[round_k] / np.maximum(
+        emitted[np.arange(n_types)[None, :], combos], 1e-12)  # [C, T]
+    mask = np.asarray(present, dtype=bool)
+    if not mask.any():
+        mask = np.ones(n_types, dtype=bool)
+    return np.where(mask[None, :], per_token, 0.0).max(axis=1)
+
+
+def tail_weighted(goodput: np.ndarray, slowest_s: np.ndarray, weight: float) -> np.ndarray:
+    """Goodput times the slowest type's token rate relative to its best, to the power ``weight``.
+
+    ``goodput * (min slowest_s / slowest_s) ** weight`` over the choices whose goodput is finite (a masked choice
+    stays ``-inf``). 0 is goodput alone; 1 weighs a relative loss of the slowest type's rate like the same loss of
+    goodput: the geometric mean of the batch's throughput and its slowest requests' speed, squared.
+
+    Args:
+        goodput: ``[C]`` expected goodput, ``-inf`` where a choice is not allowed.
+        slowest_s: ``[C]`` :func:`slowest_type_seconds_per_token` of the same choices.
+        weight: the exponent, >= 0.
+    """
+    ok = np.isfinite(goodput)
+    if weight == 0.0 or not ok.any():
+        return goodput
+    best = float(slowest_s[ok].min())
+    rel = best / np.maximum(slowest_s, 1e-30)  # [C] in (0, 1] on the allowed choices
+    return np.where(ok, goodput * rel**weight, goodput)
+
+
 def _combos(n_types: int, n_k: int, shared_k: bool) -> np.ndarray:
     """``[C, T]`` every joint per-type choice of k in ``0..n_k - 1``; one shared k per row when ``shared_k`` or when
     the grid would exceed ``MAX_JOINT_COMBOS``."""

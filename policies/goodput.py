@@ -39,6 +39,9 @@ second k; a cell that is off is re-probed every ``probe_every`` decisions. A mod
 versions in the bucket; their acceptance starts from the previous version's type curve with a small
 pseudo-count.
 
+With ``tail_weight`` the choices are scored by goodput times the slowest request type's token rate relative to its
+best, to that power: TPOT p99 is set by the requests that accept least.
+
 The decision for a cell is an ordered list of small rules, each ``(cell state, estimate) -> choice or None``:
 the first that answers picks the ks the cell serves (first decision, hold, probe k = 0, switch, explore, keep
 the incumbent), then the measurement overrides run in order and may replace it (a cost probe, a re-probe after
@@ -56,7 +59,7 @@ import numpy as np
 from policies._acceptance import AcceptanceModel, Versions
 from policies._cost import CostModel
 from policies._emitted import EmittedCalibration
-from policies.analytic import batch_goodput, emitted_by_k, solo_goodput
+from policies.analytic import batch_goodput, emitted_by_k, slowest_type_seconds_per_token, solo_goodput, tail_weighted
 from policies.base import Decision, DecisionKind, Policy, Window
 from telemetry.records import AcceptanceWindow, Bucket, Cell, CostWindow
 
@@ -103,13 +106,14 @@ class _Cell:
 
 @dataclass(frozen=True)
 class _Estimate:
-    """What a decision for one cell knows: the request types sharing its batches and goodput per joint choice."""
+    """What a decision for one cell knows: the request types sharing its batches and the score of each joint choice
+    (goodput; weighed by the slowest type's token rate under ``tail_weight``)."""
 
     bucket: Bucket
     types: tuple[str, ...]  # request types of the cell, sorted: the columns of ``combos``
     combos: np.ndarray  # [C, T] joint ks, one column per type
-    g_mean: np.ndarray  # [C] posterior-mean goodput of each joint choice
-    g_shared: np.ndarray  # [K + 1] posterior-mean goodput with one k for every type
+    g_mean: np.ndarray  # [C] posterior-mean score of each joint choice
+    g_shared: np.ndarray  # [K + 1] posterior-mean score with one k for every type
     g_draw: np.ndarray  # [C] a Thompson draw of g_mean
     g_draw_shared: np.ndarray  # [K + 1] the same draw with one k for every type
 
@@ -231,6 +235,18 @@ class GoodputPolicy(Policy):
             (the final slowness was 1.1-1.4; the windows' divisors had wandered), and batch 8 <=512 predicted
             cheaper at every deeper k. With raw seconds the same replay predicts 213 and 241 ms. The reference
             engine keeps 3 until it is re-measured without it.
+        tail_weight: weighs each choice's goodput by the slowest request type's token rate relative to its best
+            (:func:`~policies.analytic.tail_weighted`): the score is ``goodput * (best / this choice's slowest
+            seconds per token) ** tail_weight``. A request's TPOT is its rounds' seconds over the tokens it keeps,
+            so the type that accepts least sets the tail, and a deeper k at a large batch makes every row's round
+            dearer while that type keeps little more. Replayed into this policy, the telemetry of ``bench vllm`` at
+            6eb06ce (``bench/results/vllm-6eb06ce-run1-telemetry.sqlite.gz``) puts batch 16 at <=2048 at goodput
+            0.943 / 0.989 / 1.0 for k = 0 / 1 / 2, and prose's seconds per token at 1.0 / 1.08 / 1.19: a 1-6% gain
+            inside the cost model's error for a tail 8-19% slower, and there the run's TPOT p99 was 1.27x the
+            phase's best static (k = 0) while the phase's tokens per second matched it. At 1 the same replay
+            serves that cell k = 0 and keeps k = 3 at batch 4 <=512 (goodput +9% for a tail 8.5% slower). At batch
+            bucket 1 each type runs its own k, so the slowest type's own best is the weight's reference and the
+            others are free to draft deep. 0 (the default) is goodput alone; vLLM's sidecar sets 1.
     """
 
     name = "goodput"
@@ -244,16 +260,16 @@ class GoodputPolicy(Policy):
                  one_k_per_batch: bool = False, level_strength: float = 10.0, mix_rows: float = 1000.0,
                  explore_margin: float = 0.05, noise_z: float = 1.0, explore_doublings: int = 3,
                  cost_draws: bool = True, batch_cap: bool = False, explore_off: bool = False,
-                 cost_speed_memory: int = 3) -> None:
+                 cost_speed_memory: int = 3, tail_weight: float = 0.0) -> None:
         super().__init__(k_max=k_max, seed=seed)
         if objective not in ("goodput", "latency"):
             raise ValueError(f"objective must be 'goodput' or 'latency', got {objective!r}")
         if objective == "latency" and (latency_p99_s is None or latency_p99_s <= 0):
             raise ValueError("objective='latency' needs latency_p99_s > 0")
         if (switch_margin < 0 or off_margin < 0 or explore_margin < 0 or hold_decisions < 0 or probe_every < 1
-                or explore_radius < 1 or not noise_z >= 0 or explore_doublings < 0):
-            raise ValueError("switch_margin, off_margin, explore_margin, hold_decisions, noise_z, explore_doublings "
-                             "must be >= 0; probe_every, explore_radius >= 1")
+                or explore_radius < 1 or not noise_z >= 0 or explore_doublings < 0 or not tail_weight >= 0):
+            raise ValueError("switch_margin, off_margin, explore_margin, hold_decisions, noise_z, explore_doublings, "
+                             "tail_weight must be >= 0; probe_every, explore_radius >= 1")
         if reopen_rows < 0:
             raise ValueError(f"reopen_rows must be >= 0, got {reopen_rows}")
         self.off_margin, self.explore_radius, self.explore_margin = off_margin, explore_radius, explore_margin
@@ -261,7 +277,7 @@ class GoodputPolicy(Policy):
         self.switch_margin, self.hold_decisions, self.probe_every = switch_margin, hold_decisions, probe_every
         self.slope_cells, self.packed, self.reopen_rows = slope_cells, packed, reopen_rows
         self.one_k_per_batch, self.noise_z, self.explore_doublings = one_k_per_batch, noise_z, explore_doublings
-        self.batch_cap, self.explore_off = batch_cap, explore_off
+        self.batch_cap, self.explore_off, self.tail_weight = batch_cap, explore_off, tail_weight
         self._acc = AcceptanceModel(max(k_max, 1), prior_mean, bucket_strength, type_strength, version_strength,
                                     acceptance_decay, level_strength, mix_rows)
         self._cost = CostModel(k_max, cost_prior_windows, refit_every, draw_measured=cost_draws,
@@ -360,9 +376,10 @@ class GoodputPolicy(Policy):
                 cell.incumbent[t] = cap
 
     def _evaluate(self, bucket: Bucket, types: list[str], weights: np.ndarray,
-                  rng: np.random.Generator | None, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Joint combos ``[C, T]``, their goodput ``[C]`` and the shared-k goodput ``[K + 1]``; a choice deeper
-        than ``cap`` scores ``-inf``."""
+                  rng: np.random.Generator | None, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Joint combos ``[C, T]``, their score ``[C]``, the shared-k score ``[K + 1]`` and the shared-k goodput
+        ``[K + 1]``. The score is goodput, weighed by the slowest type's token rate under ``tail_weight``; a choice
+        deeper than ``cap`` scores ``-inf``."""
         vd: Versions = (bucket.target_version, bucket.draft_version)
         cond = self._acc.conds(vd, types, bucket.context_bucket, rng)  # [T, K]
         emitted = self._emitted.adjust(bucket.cell, emitted_by_k(cond[:, : self.k_max]), weights, rng)  # [T, K+1]
@@ -385,7 +402,16 @@ class GoodputPolicy(Policy):
         if cap < self.k_max:
             g = np.where(combos.max(axis=1) <= cap, g, -np.inf)
             g_shared = np.where(np.arange(g_shared.size) <= cap, g_shared, -np.inf)
-        return combos, g, g_shared
+        expected = g_shared
+        if self.tail_weight > 0 and self._cost.fitted:
+            present = weights > MIN_TYPE_WEIGHT  # [T] types with more than the floor's share of recent rows
+            solo = bucket.batch_bucket == 1
+            shared_combos = np.repeat(np.arange(g_shared.size)[:, None], len(types), axis=1)  # [K+1, T]
+            g = tail_weighted(g, slowest_type_seconds_per_token(combos, emitted, secs, present, solo),
+                              self.tail_weight)
+            g_shared = tail_weighted(g_shared, slowest_type_seconds_per_token(shared_combos, emitted, secs, present,
+                                                                              solo), self.tail_weight)
+        return combos, g, g_shared, expected
 
     def _decide(self, bucket: Bucket, explore: bool) -> Decision:
         b = bucket
@@ -407,8 +433,8 @@ class GoodputPolicy(Policy):
             if cached is not None and cached[:2] == (self._n_windows, cap) and b.request_type in cached[2]:
                 _, _, best, expected = cached
             else:
-                combos, g_mean, g_shared = self._evaluate(b, types, w, None, cap)
-                expected = {k: float(v) for k, v in enumerate(g_shared) if np.isfinite(v)}
+                combos, g_mean, _, g_expected = self._evaluate(b, types, w, None, cap)
+                expected = {k: float(v) for k, v in enumerate(g_expected) if np.isfinite(v)}
                 best = dict(zip(types, (int(k) for k in combos[int(np.argmax(g_mean))]), strict=True))
                 self._best[key] = (self._n_windows, cap, best, expected)
             new = {t: k for t, k in best.items() if t not in cell.incumbent}
@@ -422,9 +448,9 @@ class GoodputPolicy(Policy):
             ks = cell.incumbent
             return Decision(k=int(ks[b.request_type]), expected_goodput=dict(expected),
                             reason="current best, no exploration", kind=DecisionKind.BEST)
-        combos, g_mean, g_shared = self._evaluate(b, types, w, None, cap)
-        expected = {k: float(v) for k, v in enumerate(g_shared) if np.isfinite(v)}
-        _, g_draw, g_draw_shared = self._evaluate(b, types, w, self._rng, cap)  # Thompson draw (same combos)
+        combos, g_mean, g_shared, g_expected = self._evaluate(b, types, w, None, cap)
+        expected = {k: float(v) for k, v in enumerate(g_expected) if np.isfinite(v)}
+        _, g_draw, g_draw_shared, _ = self._evaluate(b, types, w, self._rng, cap)  # Thompson draw (same combos)
         if cell is None:
             cell = self._cells[key] = _Cell()
         self._lower(cell, cap)

@@ -39,9 +39,10 @@ MAX_PORT = 65535
 # speed; vLLM's lazy sync catches the draft up on the tokens it missed in one batched pass of the small draft), on
 # top of one standard error of the measured difference (noise_z) and with hold_decisions after the switch.
 # cost_speed_memory 0: the cost model learns raw seconds; its speed normalisation walked on vLLM's telemetry (see
-# GoodputPolicy's docstring).
+# GoodputPolicy's docstring). tail_weight 1: a choice's goodput is weighed by its slowest request type's token rate
+# relative to its best, as a serving engine's TPOT tail is set by the requests that accept least (GoodputPolicy).
 VLLM_POLICY: dict[str, Any] = {"one_k_per_batch": True, "batch_cap": True, "explore_off": True, "off_margin": 0.03,
-                               "cost_speed_memory": 0}
+                               "cost_speed_memory": 0, "tail_weight": 1.0}
 
 
 def _stream_sink(s: SidecarSettings, _metrics: SidecarMetrics) -> AlertSink:

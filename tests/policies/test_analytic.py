@@ -12,8 +12,10 @@ from policies.analytic import (
     expected_tokens_from_curve,
     expected_tokens_vec,
     optimal_draft_length,
+    slowest_type_seconds_per_token,
     solo_goodput,
     speedup,
+    tail_weighted,
 )
 
 
@@ -125,3 +127,34 @@ def test_solo_goodput_scores_each_type_on_its_own_rounds() -> None:
     shared, g_shared = solo_goodput(emitted, mix, secs, shared_k=True)
     assert shared.shape == (6, 2) and (shared[:, 0] == shared[:, 1]).all()
     assert g_shared[3] == pytest.approx(g[int(np.flatnonzero((combos == (3, 3)).all(axis=1))[0])])
+
+
+def test_the_slowest_type_sets_the_tail_of_a_shared_round() -> None:
+    """One k per round: every row pays the round's seconds, and the type that keeps fewest drafts is slowest."""
+    secs = np.array([0.040, 0.060, 0.080])  # [K+1] a round at each k
+    emitted = np.array([[1.0, 1.9, 2.7],  # [T, K+1] structured accepts well
+                        [1.0, 1.3, 1.4]])  # prose does not
+    combos = np.array([[0, 0], [1, 1], [2, 2], [2, 0]])  # [C, T]
+    both = np.array([True, True])
+    got = slowest_type_seconds_per_token(combos, emitted, secs, both)
+    # a round at its largest k: (2, 0) makes prose wait for structured's two drafts and keep one token
+    assert got == pytest.approx([0.040, 0.060 / 1.3, 0.080 / 1.4, 0.080 / 1.0])
+    # a type without requests does not set the tail; with none marked, every type counts
+    assert slowest_type_seconds_per_token(combos, emitted, secs, np.array([True, False])) == pytest.approx(
+        [0.040, 0.060 / 1.9, 0.080 / 2.7, 0.080 / 2.7])
+    assert slowest_type_seconds_per_token(combos, emitted, secs, np.array([False, False])) == pytest.approx(got)
+    # rounds of one row run each type's own k: (2, 0) costs prose a plain round
+    assert slowest_type_seconds_per_token(combos, emitted, secs, both, solo=True)[3] == pytest.approx(
+        max(0.080 / 2.7, 0.040 / 1.0))
+
+
+def test_tail_weight_trades_goodput_for_the_slowest_types_rate() -> None:
+    goodput = np.array([100.0, 110.0, 112.0, -np.inf])  # [C]; the last choice is masked (a cap)
+    slowest = np.array([0.040, 0.045, 0.050, 0.001])  # [C]
+    assert tail_weighted(goodput, slowest, 0.0) is goodput
+    w1 = tail_weighted(goodput, slowest, 1.0)
+    # the reference is the best allowed choice's tail, not the masked one's
+    assert w1[:3] == pytest.approx([100.0, 110.0 * 0.040 / 0.045, 112.0 * 0.040 / 0.050])
+    assert w1[3] == -np.inf
+    assert int(np.argmax(w1)) == 0 and int(np.argmax(goodput)) == 2  # +12% goodput for a tail 25% slower loses
+    assert int(np.argmax(tail_weighted(goodput, slowest, 0.1))) == 2  # a light weight keeps the deep k

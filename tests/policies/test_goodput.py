@@ -296,9 +296,10 @@ def test_reprobes_of_a_cell_that_stays_off_thin_out() -> None:
     assert d.kind is DecisionKind.REPROBE and off_since <= 4
 
 
-def _two_types(one_k_per_batch: bool, batch_bucket: int = 8) -> tuple[GoodputPolicy, dict[str, int]]:
+def _two_types(one_k_per_batch: bool, batch_bucket: int = 8,
+               tail_weight: float = 0.0) -> tuple[GoodputPolicy, dict[str, int]]:
     """Structured output accepts every draft, prose none: packed verification lets each draft its own k."""
-    p = GoodputPolicy(k_max=4, seed=0, one_k_per_batch=one_k_per_batch)
+    p = GoodputPolicy(k_max=4, seed=0, one_k_per_batch=one_k_per_batch, tail_weight=tail_weight)
     for bb in (1, 8):
         for k in (0, 2, 4):
             p.observe(_cost(bb, k, 0.01 * (1 + bb / 4) * (1 + 0.15 * k)))
@@ -329,6 +330,42 @@ def test_one_k_per_batch_leaves_each_type_its_own_k_in_rounds_of_one_row() -> No
     _, packed = _two_types(one_k_per_batch=False, batch_bucket=1)
     assert one == packed
     assert one["structured"] > one["prose"]
+
+
+def _shared_round_cell(tail_weight: float) -> tuple[GoodputPolicy, Bucket]:
+    """Batch 8, one k per step: structured keeps every draft, prose none; each k measured in the cell, a round
+    at k costing 1 + 0.2 k plain rounds, and the rounds emitting what the mix predicts."""
+    p = GoodputPolicy(k_max=4, seed=0, one_k_per_batch=True, tail_weight=tail_weight)
+    for _ in range(20):
+        p.observe(AcceptanceWindow(target_version="t1", draft_version="d1", request_type="structured",
+                                   context_bucket="<=512", k=4, rows=100, drafted=400, accepted=400, emitted=500,
+                                   hist=(0, 0, 0, 0, 100)))
+        p.observe(AcceptanceWindow(target_version="t1", draft_version="d1", request_type="prose",
+                                   context_bucket="<=512", k=4, rows=100, drafted=400, accepted=0, emitted=100,
+                                   hist=(100, 0, 0, 0, 0)))
+    for _ in range(4):
+        for k in range(5):
+            w = _cost(8, k, 0.03 * (1 + 0.2 * k))
+            p.observe(replace(w, emitted=w.batch_rows * (k + 2) // 2))  # half the rows emit k + 1, half 1
+    return p, Bucket("t1", "d1", "prose", 8, "<=512")
+
+
+def test_tail_weight_keeps_a_shared_k_from_starving_the_type_that_accepts_least() -> None:
+    # Goodput grows with k (structured emits k + 1 for a round of 1 + 0.2 k), while prose keeps one token a round
+    # and its TPOT grows as the round's seconds do: scored by goodput x prose's rate relative to its best, k = 1
+    # ((1 + 2) / 2 / 1.2 ** 2 = 1.04 against 1.0 off and 0.93 at k = 4).
+    p, b = _shared_round_cell(tail_weight=0.0)
+    q, _ = _shared_round_cell(tail_weight=1.0)
+    plain, tail = p.decide(b), q.decide(b)
+    assert (plain.k, tail.k) == (4, 1)
+    # the score moves the choice; what the decision reports as expected goodput is still tokens per second
+    assert tail.expected_goodput == pytest.approx(plain.expected_goodput)
+    assert max(tail.expected_goodput, key=tail.expected_goodput.__getitem__) == 4
+    # rounds of one row: each type at its own k, and the weight's reference is the slowest type's own best
+    _, solo = _two_types(one_k_per_batch=True, batch_bucket=1)
+    assert _two_types(one_k_per_batch=True, batch_bucket=1, tail_weight=1.0)[1] == solo
+    with pytest.raises(ValueError, match="tail_weight"):
+        GoodputPolicy(tail_weight=-1.0)
 
 
 def test_batch_one_keeps_a_type_on_whose_own_rate_is_best_on() -> None:
