@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engines run one k per step for the whole batch (vLLM): give every request type of a "
                         "cell the same k, except at batch 1 where a step runs its one row's k, and never a larger "
                         "batch a deeper k than a settled smaller one (goodput policy)")
+    p.add_argument("--tail-weight", type=float, default=None,
+                   help="goodput policy: weigh a choice's throughput by its slowest request type's token rate (the "
+                        "TPOT tail) to this power; 0 is throughput alone (default: 1 with --one-k-per-batch, else 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="0 picks a free port")
@@ -305,6 +308,7 @@ def _sidecar(args: argparse.Namespace) -> int:
     settings = SidecarSettings(
         db_url=args.db_url, redis_url=args.redis_url, prefix=args.prefix, auto_upgrade=args.auto_upgrade,
         policy=args.policy, k_max=args.k_max, seed=args.seed, one_k_per_batch=args.one_k_per_batch,
+        tail_weight=args.tail_weight,
         sidecar=SidecarConfig(publish_every_windows=args.publish_every_windows, publish_every_s=args.publish_every_s,
                               warm_start_windows=args.warm_start_windows, consumer=consumer),
         lease=lease_cfg, alerts=AlertConfig() if args.alerts else None,

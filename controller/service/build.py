@@ -7,6 +7,7 @@ side's counterpart is :func:`controller.client.build_engine_hooks`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -76,6 +77,9 @@ class SidecarSettings:
     # turns its draft off and on cheaply (spectune's lazy draft sync catches the draft up in one batched pass), so
     # speculation off is re-measured where its evidence is thin and needs a smaller margin (VLLM_POLICY).
     one_k_per_batch: bool = False
+    # The goodput policy's weight on its slowest request type's token rate, the TPOT tail (GoodputPolicy tail_weight;
+    # 0 is throughput alone). None: the engine kind's default, 1 with one_k_per_batch (VLLM_POLICY), else 0.
+    tail_weight: float | None = None
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)  # decision timing, start-up replay, caps
     lease: LeaseConfig | None = None  # the leader lease ({prefix}:leader); None: always the leader (one sidecar)
     alerts: AlertConfig | None = None  # drift alerts and model updates; None: none raised
@@ -89,6 +93,11 @@ class SidecarSettings:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of: {', '.join(sorted(REGISTRY))}")
         if self.one_k_per_batch and self.policy != "goodput":
             raise ValueError(f"one_k_per_batch is a setting of the goodput policy, not of {self.policy!r}")
+        if self.tail_weight is not None:
+            if self.policy != "goodput":
+                raise ValueError(f"tail_weight is a setting of the goodput policy, not of {self.policy!r}")
+            if not 0.0 <= self.tail_weight < math.inf:
+                raise ValueError(f"tail_weight must be a finite number >= 0, got {self.tail_weight}")
         if unknown := [s for s in self.alert_sinks if s not in ALERT_SINKS]:
             raise ValueError(f"unknown alert sinks {unknown}; choose among: {', '.join(ALERT_SINKS)}")
         if (self.alert_sinks or self.alert_webhook) and self.alerts is None:
@@ -151,6 +160,8 @@ def build_sidecar(settings: SidecarSettings, *, transport: Transport | None = No
     if (transport is None or publisher is None) and settings.redis_url is None:
         raise ValueError("build_sidecar needs a transport and a publisher, or SidecarSettings.redis_url")
     policy_kw: dict[str, Any] = dict(VLLM_POLICY) if settings.one_k_per_batch else {}
+    if settings.tail_weight is not None:
+        policy_kw["tail_weight"] = settings.tail_weight
     policy = REGISTRY[settings.policy](k_max=settings.k_max, seed=settings.seed, **policy_kw)
     with ExitStack() as owned:
         store = owned.enter_context(Store(settings.db_url, auto_upgrade=settings.auto_upgrade))

@@ -30,6 +30,9 @@ FAST = SidecarConfig(consumer=ConsumerConfig(consumer="c1", block_ms=10), warm_s
     ({"lease": LeaseConfig()}, "live in Redis"),
     ({"alerts": AlertConfig(), "alert_sinks": ("stream",)}, "live in Redis"),
     ({"http_port": 70_000}, "http_port"),
+    ({"policy": "static", "tail_weight": 1.0}, "tail_weight is a setting of the goodput policy"),
+    ({"tail_weight": -0.5}, "tail_weight must be a finite number >= 0"),
+    ({"tail_weight": float("nan")}, "tail_weight must be a finite number >= 0"),
 ])
 def test_settings_refuse_what_cannot_be_built(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -86,3 +89,10 @@ def test_one_k_per_batch_caps_a_larger_batch_by_a_smaller_ones_k(sqlite_url: str
             assert policy.one_k_per_batch is one_k and policy.batch_cap is cap
             assert policy.explore_off is one_k and policy.off_margin == (0.03 if one_k else 0.10)
             assert policy._cost.speed_memory == (0 if one_k else 3)  # vLLM's sidecar learns raw seconds
+            assert policy.tail_weight == (1.0 if one_k else 0.0)  # vLLM's TPOT tail is weighed by default
+    # an operator's weight replaces the engine kind's default
+    settings = SidecarSettings(db_url=sqlite_url, auto_upgrade=True, sidecar=FAST, one_k_per_batch=True,
+                               tail_weight=0.25)
+    with build_sidecar(settings, transport=InProcessTransport(), publisher=CallbackPublisher(print)) as service:
+        policy = service.sidecar.policy
+        assert isinstance(policy, GoodputPolicy) and policy.tail_weight == 0.25 and policy.batch_cap

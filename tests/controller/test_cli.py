@@ -95,6 +95,12 @@ def test_one_k_per_batch_is_refused_for_a_policy_without_it(capsys: pytest.Captu
     assert "--one-k-per-batch is a setting of the goodput policy" in capsys.readouterr().err
 
 
+def test_a_negative_tail_weight_is_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str],
+                                                             sqlite_url: str) -> None:
+    assert main(["sidecar", "--tail-weight", "-1", "--db-url", sqlite_url]) == 2
+    assert "tail_weight must be a finite number >= 0, got -1.0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("raw", [b'{"version": 3, "entries": {}}', b"not json", b"\xff\xfe"])
 def test_policy_show_on_a_bad_redis_value_is_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str],
                                                                       redis_url: str, redis_prefix: str,
