@@ -296,6 +296,13 @@ def test_reprobes_of_a_cell_that_stays_off_thin_out() -> None:
     assert d.kind is DecisionKind.REPROBE and off_since <= 4
 
 
+def _structured_keeps_all_prose_none(p: GoodputPolicy) -> None:
+    """20 windows each: structured output accepts every draft of k = 4, prose none."""
+    for _ in range(20):
+        p.observe(_acc("structured", 4, (0, 0, 0, 0, 100)))
+        p.observe(_acc("prose", 4, (100, 0, 0, 0, 0)))
+
+
 def _two_types(one_k_per_batch: bool, batch_bucket: int = 8,
                tail_weight: float = 0.0) -> tuple[GoodputPolicy, dict[str, int]]:
     """Structured output accepts every draft, prose none: packed verification lets each draft its own k."""
@@ -303,13 +310,7 @@ def _two_types(one_k_per_batch: bool, batch_bucket: int = 8,
     for bb in (1, 8):
         for k in (0, 2, 4):
             p.observe(_cost(bb, k, 0.01 * (1 + bb / 4) * (1 + 0.15 * k)))
-    for _ in range(20):
-        p.observe(AcceptanceWindow(target_version="t1", draft_version="d1", request_type="structured",
-                                   context_bucket="<=512", k=4, rows=100, drafted=400, accepted=400, emitted=500,
-                                   hist=(0, 0, 0, 0, 100)))
-        p.observe(AcceptanceWindow(target_version="t1", draft_version="d1", request_type="prose",
-                                   context_bucket="<=512", k=4, rows=100, drafted=400, accepted=0, emitted=100,
-                                   hist=(100, 0, 0, 0, 0)))
+    _structured_keeps_all_prose_none(p)
     ks = {t: p.decide(Bucket("t1", "d1", t, batch_bucket, "<=512")).k for t in ("structured", "prose")}
     return p, ks
 
@@ -336,13 +337,7 @@ def _shared_round_cell(tail_weight: float) -> tuple[GoodputPolicy, Bucket]:
     """Batch 8, one k per step: structured keeps every draft, prose none; each k measured in the cell, a round
     at k costing 1 + 0.2 k plain rounds, and the rounds emitting what the mix predicts."""
     p = GoodputPolicy(k_max=4, seed=0, one_k_per_batch=True, tail_weight=tail_weight)
-    for _ in range(20):
-        p.observe(AcceptanceWindow(target_version="t1", draft_version="d1", request_type="structured",
-                                   context_bucket="<=512", k=4, rows=100, drafted=400, accepted=400, emitted=500,
-                                   hist=(0, 0, 0, 0, 100)))
-        p.observe(AcceptanceWindow(target_version="t1", draft_version="d1", request_type="prose",
-                                   context_bucket="<=512", k=4, rows=100, drafted=400, accepted=0, emitted=100,
-                                   hist=(100, 0, 0, 0, 0)))
+    _structured_keeps_all_prose_none(p)
     for _ in range(4):
         for k in range(5):
             w = _cost(8, k, 0.03 * (1 + 0.2 * k))
